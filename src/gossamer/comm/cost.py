@@ -1,0 +1,120 @@
+"""Who sends how many bytes to whom in each collective, and how long it takes (alpha-beta model).
+
+Both communicators count collectives with these formulas, so byte counters agree between the
+simulator and real runs: an all-reduce is counted as a ring reduce-scatter plus a ring
+all-gather, an all-gather as a ring, a broadcast as a binomial tree, a barrier as a
+dissemination barrier. The simulator also takes its virtual durations from here: a collective
+starts when its last member arrives and lasts as long as its slowest step on the slowest link.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gossamer.comm.network import NetworkModel
+
+#: One entry per destination: (peer, bytes, messages), in the ranks of the communicator.
+Traffic = list[tuple[int, int, int]]
+
+
+def chunk_sizes(numel: int, parts: int) -> list[int]:
+    """Split ``numel`` elements into ``parts`` chunks as evenly as possible (first ones larger)."""
+    base, extra = divmod(numel, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def ring_all_reduce_traffic(rank: int, n: int, numel: int, element_size: int) -> Traffic:
+    """Bytes ``rank`` sends to its ring successor: reduce-scatter then all-gather."""
+    if n == 1:
+        return []
+    chunks = chunk_sizes(numel, n)
+    total = sum(chunks)
+    # Reduce-scatter sends every chunk but the successor's; all-gather every chunk but the
+    # one two places ahead.
+    elements = 2 * total - chunks[(rank + 1) % n] - chunks[(rank + 2) % n]
+    return [((rank + 1) % n, elements * element_size, 2 * (n - 1))]
+
+
+def ring_all_reduce_time(
+    n: int, numel: int, element_size: int, network: NetworkModel, members: Sequence[int]
+) -> float:
+    """Duration of a ring all-reduce: 2 (n - 1) steps, each as slow as its slowest link."""
+    if n == 1:
+        return 0.0
+    chunk_bytes = -(-numel // n) * element_size
+    step = max(
+        network.message_time(members[i], members[(i + 1) % n], chunk_bytes) for i in range(n)
+    )
+    return 2 * (n - 1) * step
+
+
+def ring_all_gather_traffic(rank: int, n: int, nbytes_per_rank: Sequence[int]) -> Traffic:
+    """Bytes ``rank`` sends to its successor in a ring all-gather of per-rank sizes."""
+    if n == 1:
+        return []
+    return [((rank + 1) % n, sum(nbytes_per_rank) - nbytes_per_rank[(rank + 1) % n], n - 1)]
+
+
+def ring_all_gather_time(
+    nbytes_per_rank: Sequence[int], network: NetworkModel, members: Sequence[int]
+) -> float:
+    """Duration of a ring all-gather: at step s rank i forwards the block of rank i - s."""
+    n = len(nbytes_per_rank)
+    total = 0.0
+    for s in range(n - 1):
+        total += max(
+            network.message_time(members[i], members[(i + 1) % n], nbytes_per_rank[(i - s) % n])
+            for i in range(n)
+        )
+    return total
+
+
+def _tree_edges(n: int, src: int) -> list[list[tuple[int, int]]]:
+    """Binomial-tree broadcast edges per round, as (sender, receiver) ranks."""
+    rounds = []
+    r = 0
+    while (1 << r) < n:
+        edges = []
+        for v in range(1 << r):
+            w = v + (1 << r)
+            if w < n:
+                edges.append(((v + src) % n, (w + src) % n))
+        rounds.append(edges)
+        r += 1
+    return rounds
+
+
+def broadcast_traffic(rank: int, n: int, src: int, nbytes: int) -> Traffic:
+    """Bytes ``rank`` sends in a binomial-tree broadcast from ``src``."""
+    return [(dst, nbytes, 1) for edges in _tree_edges(n, src) for s, dst in edges if s == rank]
+
+
+def broadcast_sources(rank: int, n: int, src: int) -> list[int]:
+    """The rank that ``rank`` receives from in a binomial-tree broadcast (empty for ``src``)."""
+    return [s for edges in _tree_edges(n, src) for s, dst in edges if dst == rank]
+
+
+def broadcast_time(
+    n: int, src: int, nbytes: int, network: NetworkModel, members: Sequence[int]
+) -> float:
+    return sum(
+        max(network.message_time(members[s], members[d], nbytes) for s, d in edges)
+        for edges in _tree_edges(n, src)
+    )
+
+
+def barrier_rounds(n: int) -> int:
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def barrier_traffic(rank: int, n: int) -> Traffic:
+    """A dissemination barrier: in round r, rank i signals i + 2^r (zero-byte messages)."""
+    return [((rank + (1 << r)) % n, 0, 1) for r in range(barrier_rounds(n))]
+
+
+def barrier_time(n: int, network: NetworkModel, members: Sequence[int]) -> float:
+    return sum(
+        max(network.message_time(members[i], members[(i + (1 << r)) % n], 0) for i in range(n))
+        for r in range(barrier_rounds(n))
+    )

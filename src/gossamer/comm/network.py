@@ -1,0 +1,93 @@
+"""Cost models of the simulator: how long messages take, and how long a worker computes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _check_positive(name: str, value: float, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkModel:
+    """The alpha-beta model of a network: a message of b bytes from i to j takes
+    ``latency(i, j) + b / bandwidth(i, j)`` seconds, and each worker has one NIC that sends one
+    message at a time (sends queue behind each other; receives do not).
+
+    Args:
+        latency: seconds per message, alpha (default 50e-6, a switched Ethernet hop).
+        bandwidth: bytes per second of every link, 1 / beta (default 125e6: 1 Gbit/s).
+        link_latency: per-(sender, receiver) overrides of ``latency``.
+        link_bandwidth: per-(sender, receiver) overrides of ``bandwidth``, e.g. a slow link.
+
+    Example::
+
+        net = NetworkModel(latency=5e-6, bandwidth=12.5e9)  # 100 Gbit/s
+        slow = NetworkModel(bandwidth=125e6, link_bandwidth={(0, 1): 12.5e6})
+    """
+
+    latency: float = 50e-6  # lower: small messages (gossip, barriers) get cheaper
+    bandwidth: float = 125e6  # higher: large messages (dense gradients) get cheaper
+    link_latency: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    link_bandwidth: Mapping[tuple[int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_positive("latency", self.latency, allow_zero=True)
+        _check_positive("bandwidth", self.bandwidth, allow_zero=False)
+        for (i, j), value in self.link_latency.items():
+            _check_positive(f"link_latency[({i}, {j})]", value, allow_zero=True)
+        for (i, j), value in self.link_bandwidth.items():
+            _check_positive(f"link_bandwidth[({i}, {j})]", value, allow_zero=False)
+
+    def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
+        """Seconds the sender's NIC is busy with a message (no latency)."""
+        return nbytes / self.link_bandwidth.get((src, dst), self.bandwidth)
+
+    def message_time(self, src: int, dst: int, nbytes: int) -> float:
+        """Seconds from the start of sending to arrival: alpha + b * beta."""
+        return self.link_latency.get((src, dst), self.latency) + self.transfer_time(
+            src, dst, nbytes
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeModel:
+    """How long one training step's computation takes on each simulated worker.
+
+    ``duration = step_time * stragglers.get(rank, 1) * jitter_factor``, where the jitter factor
+    is drawn from a log-normal of standard deviation ``jitter`` by a generator seeded from the
+    world's seed and the rank, so it is reproducible. With ``measured=True`` the real time the
+    worker's code took since its previous step is used instead (not reproducible).
+
+    Args:
+        step_time: seconds per step (default 0.01).
+        stragglers: rank -> slowdown factor, e.g. ``{3: 4.0}`` makes rank 3 four times slower.
+        jitter: relative spread of step times (default 0, none).
+        measured: use measured time instead of ``step_time`` (default False).
+    """
+
+    step_time: float = 0.01  # higher: communication matters less relative to compute
+    stragglers: Mapping[int, float] = field(default_factory=dict)
+    jitter: float = 0.0  # higher: more variable step times, more waiting in synchronous methods
+    measured: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("step_time", self.step_time, allow_zero=True)
+        _check_positive("jitter", self.jitter, allow_zero=True)
+        for rank, factor in self.stragglers.items():
+            _check_positive(f"stragglers[{rank}]", factor, allow_zero=False)
+
+    def step_duration(self, rank: int, rng: np.random.Generator) -> float:
+        duration = self.step_time * self.stragglers.get(rank, 1.0)
+        if self.jitter > 0:
+            duration *= float(rng.lognormal(mean=0.0, sigma=self.jitter))
+        return duration
