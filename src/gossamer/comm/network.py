@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def _check_positive(name: str, value: float, *, allow_zero: bool) -> None:
+def check_positive(name: str, value: float, *, allow_zero: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
@@ -41,12 +41,12 @@ class NetworkModel:
     link_bandwidth: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_positive("latency", self.latency, allow_zero=True)
-        _check_positive("bandwidth", self.bandwidth, allow_zero=False)
+        check_positive("latency", self.latency, allow_zero=True)
+        check_positive("bandwidth", self.bandwidth, allow_zero=False)
         for (i, j), value in self.link_latency.items():
-            _check_positive(f"link_latency[({i}, {j})]", value, allow_zero=True)
+            check_positive(f"link_latency[({i}, {j})]", value, allow_zero=True)
         for (i, j), value in self.link_bandwidth.items():
-            _check_positive(f"link_bandwidth[({i}, {j})]", value, allow_zero=False)
+            check_positive(f"link_bandwidth[({i}, {j})]", value, allow_zero=False)
 
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds the sender's NIC is busy with a message (no latency)."""
@@ -81,10 +81,10 @@ class ComputeModel:
     measured: bool = False
 
     def __post_init__(self) -> None:
-        _check_positive("step_time", self.step_time, allow_zero=True)
-        _check_positive("jitter", self.jitter, allow_zero=True)
+        check_positive("step_time", self.step_time, allow_zero=True)
+        check_positive("jitter", self.jitter, allow_zero=True)
         for rank, factor in self.stragglers.items():
-            _check_positive(f"stragglers[{rank}]", factor, allow_zero=False)
+            check_positive(f"stragglers[{rank}]", factor, allow_zero=False)
 
     def step_duration(self, rank: int, rng: np.random.Generator) -> float:
         duration = self.step_time * self.stragglers.get(rank, 1.0)

@@ -1,0 +1,99 @@
+"""What every algorithm is: a frozen configuration that binds to one worker's model and optimizer.
+
+An :class:`Algorithm` is a keyword-only frozen dataclass, validated when it is built, that
+holds hyperparameters only. :meth:`Algorithm.bind` makes the per-worker :class:`Runtime`, the
+one object that holds all the mutable state (step counter, residuals, push-sum weights...)
+and acts at explicit points of a training step:
+
+1. ``before_forward`` — e.g. SGP's de-biasing of the parameters;
+2. ``after_backward`` — gradient-level methods (AllReduce, DGC, GossipGraD);
+3. the wrapped ``torch.optim`` optimizer steps (algorithms never re-implement SGD or Adam);
+4. ``after_step`` — parameter-level methods (SGP, D-PSGD, local SGD, WAGMA).
+
+Runtimes talk to other workers only through a :class:`~gossamer.comm.Communicator`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.comm.base import Communicator
+
+
+class Algorithm(ABC):
+    """A distributed training method's configuration (subclasses are frozen dataclasses)."""
+
+    #: The registry name, used by the command line and recipes.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def bind(
+        self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> Runtime:
+        """Make this worker's runtime state for ``model`` and ``optimizer``."""
+
+
+class Runtime:
+    """One worker's side of an algorithm: its hooks into the training step and its state."""
+
+    #: True when every worker holds the same parameters after each step (synchronous
+    #: gradient averaging), so evaluating any replica evaluates the average.
+    replicas_identical: ClassVar[bool] = False
+
+    def __init__(self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.comm = comm
+        self.model = model
+        self.optimizer = optimizer
+        # internal state
+        self.step = 0  # optimizer steps taken
+        # statistics
+        self.synchronizations = 0  # exact averages of the whole world (collectives)
+
+    def before_forward(self) -> None:
+        """Called before each forward pass (and once when bound)."""
+
+    def after_backward(self) -> None:
+        """Called when gradients are ready, before the optimizer steps."""
+
+    def after_step(self) -> None:
+        """Called after the optimizer stepped."""
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Make every replica equal to the exact average of all (parameters and buffers).
+
+        Used before evaluation and at the end of training. Collective: every worker calls it.
+        """
+        average_tensors(self.comm, model_tensors(self.model))
+        self.synchronizations += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """This runtime's mutable state (never process groups or communicators)."""
+        return {"step": self.step, "synchronizations": self.synchronizations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.synchronizations = int(state["synchronizations"])
+
+
+def model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Parameters then floating-point buffers (BatchNorm statistics), in registration order."""
+    tensors = [p.data for p in model.parameters()]
+    tensors += [b for b in model.buffers() if torch.is_floating_point(b)]
+    return tensors
+
+
+@torch.no_grad()
+def average_tensors(comm: Communicator, tensors: list[torch.Tensor]) -> None:
+    """Replace each tensor by its exact mean over all workers, with one all-reduce per dtype."""
+    from gossamer.algorithms.buckets import Buckets
+
+    buckets = Buckets(tensors, bucket_bytes=None)
+    buckets.gather(tensors)
+    for buffer in buckets.buffers:
+        comm.all_reduce(buffer, op="mean")
+    buckets.scatter(tensors)

@@ -1,0 +1,74 @@
+"""Flat buckets: many small tensors packed into a few large buffers, so that one collective
+moves them all (fewer messages, so less latency paid)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class Buckets:
+    """Tensors packed into flat buffers of at most ``bucket_bytes`` each.
+
+    A bucket holds tensors of one dtype and device; a tensor larger than ``bucket_bytes`` gets
+    a bucket of its own. ``bucket_bytes=None`` puts each dtype/device in a single bucket.
+
+    Example::
+
+        buckets = Buckets([p for p in model.parameters()], bucket_bytes=25 * 2**20)
+        buckets.gather([p.grad for p in model.parameters()])
+        for buffer in buckets.buffers:
+            comm.all_reduce(buffer, op="mean")
+        buckets.scatter([p.grad for p in model.parameters()])
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int | None) -> None:
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.shapes = [t.shape for t in tensors]
+        # (bucket, offset, numel) per tensor
+        self.slots: list[tuple[int, int, int]] = []
+        sizes: list[int] = []
+        kinds: list[tuple[torch.dtype, torch.device]] = []
+        open_bucket: dict[tuple[torch.dtype, torch.device], int] = {}
+        for t in tensors:
+            kind = (t.dtype, t.device)
+            numel = t.numel()
+            index = open_bucket.get(kind)
+            if index is None or (
+                bucket_bytes is not None
+                and (sizes[index] + numel) * t.element_size() > bucket_bytes
+                and sizes[index] > 0
+            ):
+                index = len(sizes)
+                sizes.append(0)
+                kinds.append(kind)
+                open_bucket[kind] = index
+            self.slots.append((index, sizes[index], numel))
+            sizes[index] += numel
+        self.buffers = [
+            torch.zeros(size, dtype=dtype, device=device)
+            for size, (dtype, device) in zip(sizes, kinds, strict=True)
+        ]
+
+    def views(self, index: int) -> torch.Tensor:
+        """The part of its bucket that holds tensor ``index``, shaped like the tensor."""
+        bucket, offset, numel = self.slots[index]
+        return self.buffers[bucket][offset : offset + numel].view(self.shapes[index])
+
+    @torch.no_grad()
+    def gather(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Copy ``tensors`` into the buckets (None counts as zeros)."""
+        for i, t in enumerate(tensors):
+            view = self.views(i)
+            if t is None:
+                view.zero_()
+            else:
+                view.copy_(t)
+
+    @torch.no_grad()
+    def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the buckets back into ``tensors``."""
+        for i, t in enumerate(tensors):
+            t.copy_(self.views(i))

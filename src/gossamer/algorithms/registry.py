@@ -1,0 +1,101 @@
+"""Names of algorithms for the command line and recipes: ``"allreduce"`` -> :class:`AllReduce`.
+
+Python users construct the configuration classes directly; the registry exists so that a
+name and a few ``key=value`` options from a command line or YAML file build the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from gossamer.algorithms.base import Algorithm
+
+_REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"algorithm name {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """The registered algorithm names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def lookup(name: str) -> type[Algorithm]:
+    """The configuration class of ``name``; ValueError listing the known names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"algorithm {name!r} is unknown; known algorithms: {', '.join(available())}"
+        ) from None
+
+
+def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
+    """Build the algorithm ``name`` with ``options`` (strings are converted to field types).
+
+    Example::
+
+        create("allreduce", {"bucket_mb": "10"})  # AllReduce(bucket_mb=10.0)
+    """
+    cls = lookup(name)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in (options or {}).items():
+        if key not in fields:
+            raise ValueError(
+                f"algorithm {name!r} has no option {key!r}; its options: "
+                f"{', '.join(sorted(fields)) or 'none'}"
+            )
+        kwargs[key] = _convert(name, key, value, hints[key])
+    return cls(**kwargs)
+
+
+def describe(name: str) -> list[tuple[str, str, Any]]:
+    """(option, type, default) for each option of ``name``, for help texts."""
+    cls = lookup(name)
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((f.name, _type_name(hints[f.name]), default))
+    return rows
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(algorithm: str, key: str, value: Any, tp: Any) -> Any:
+    """Convert a string option to the field's type; other values pass through."""
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(tp)
+    candidates = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    if value.lower() in ("none", "null") and type(None) in candidates:
+        return None
+    for candidate in candidates:
+        try:
+            if candidate is bool:
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                continue
+            if candidate in (int, float, str):
+                return candidate(value)
+        except ValueError:
+            continue
+    raise ValueError(f"option {key}={value!r} of algorithm {algorithm!r} is not a valid {tp}")

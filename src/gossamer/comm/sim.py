@@ -1,0 +1,768 @@
+"""SimWorld: many workers in one process, in deterministic virtual time.
+
+Each simulated worker runs the same per-worker function it would run under torchrun, in a
+thread of its own, and talks to the others through a :class:`~gossamer.comm.Communicator`.
+Only one worker runs at any moment: the scheduler always resumes the ready worker with the
+smallest virtual clock (ties: the smallest rank), and a worker gives up the turn at every
+communication operation. So every interaction happens in virtual-time order and the result
+is bit-identical from run to run, whatever the operating system does with the threads.
+
+Virtual clocks advance by the :class:`~gossamer.comm.ComputeModel` at every
+``compute_step()`` and by the :class:`~gossamer.comm.NetworkModel` for every message: a
+send leaves when the sender's NIC is free, occupies it for ``bytes / bandwidth`` and arrives
+``latency`` later. Collectives start when their last member arrives and take the alpha-beta
+time of the ring (or tree) algorithm in :mod:`gossamer.comm.cost`. Each worker also has its own
+torch CPU random state, swapped in when it runs, as if it were a process of its own.
+
+Example::
+
+    from gossamer.comm import SimWorld, NetworkModel
+
+    def worker(comm):
+        t = torch.full((4,), float(comm.rank))
+        comm.all_reduce(t)
+        return t
+
+    world = SimWorld(8, network=NetworkModel(latency=1e-5, bandwidth=1.25e9), seed=0)
+    results = world.run(worker)          # one result per rank
+    print(world.report.wall_clock)       # simulated seconds
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossamer.comm import cost
+from gossamer.comm.base import (
+    DEFAULT_TIMEOUT,
+    CommError,
+    CommStats,
+    CommTimeoutError,
+    ReduceOp,
+    check_exchange,
+    check_group_ranks,
+    check_rank,
+    tensor_nbytes,
+)
+from gossamer.comm.network import ComputeModel, NetworkModel
+
+_READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
+
+
+class SimulationError(RuntimeError):
+    """One or more simulated workers failed; ``failures`` maps rank to its exception."""
+
+    def __init__(self, message: str, failures: dict[int, BaseException]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclass
+class SimReport:
+    """What a :meth:`SimWorld.run` measured, all times in virtual seconds."""
+
+    wall_clock: float  # the latest worker's clock at the end
+    clocks: list[float]  # each worker's clock at the end
+    compute_time: list[float]  # time each worker spent computing
+    idle_time: list[float]  # time each worker spent waiting for others or the network
+    steps: list[int]  # compute_step() calls per worker
+    bytes_sent: list[int]  # per worker, all peers
+    bytes_per_link: dict[tuple[int, int], int]  # (sender, receiver) -> bytes
+    messages_sent: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_clock": self.wall_clock,
+            "clocks": self.clocks,
+            "compute_time": self.compute_time,
+            "idle_time": self.idle_time,
+            "steps": self.steps,
+            "bytes_sent": self.bytes_sent,
+            "messages_sent": self.messages_sent,
+        }
+
+
+class _Worker:
+    """Scheduler-side state of one simulated worker."""
+
+    def __init__(self, rank: int, seed: int) -> None:
+        self.rank = rank
+        self.clock = 0.0
+        self.nic_free = 0.0  # when this worker's NIC finishes its queued sends
+        self.state = _READY
+        self.wakeup = threading.Semaphore(0)
+        self.stats = CommStats()
+        self.compute_time = 0.0
+        self.idle_time = 0.0
+        self.steps = 0
+        self.active_time = 0.0  # real seconds run since the last compute_step (measured mode)
+        self.resumed_at = 0.0
+        self.deadline_token = 0
+        self.wait: _Wait | None = None
+        self.wake_error: BaseException | None = None
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self.collective_seq: dict[tuple[int, ...], int] = defaultdict(int)
+        seeds = np.random.SeedSequence([seed, rank]).generate_state(2)
+        self.rng = np.random.default_rng(seeds[0])
+        self.torch_rng = torch.Generator().manual_seed(int(seeds[1])).get_state()
+
+
+@dataclass
+class _Wait:
+    """What a blocked worker waits for, to say so when it times out."""
+
+    op: str
+    peers: tuple[int, ...]  # global ranks that have not answered yet
+    started: float
+
+
+@dataclass
+class _Pending:
+    """A collective whose members are arriving."""
+
+    kind: str
+    members: tuple[int, ...]
+    name: str
+    arrivals: dict[int, float] = field(default_factory=dict)  # global rank -> start time
+    data: dict[int, Any] = field(default_factory=dict)  # global rank -> (signature, data)
+    results: dict[int, Any] = field(default_factory=dict)  # global rank -> what it gets back
+    abandoned_at: float | None = None  # virtual time a member gave up; it never completes
+
+
+@dataclass
+class _Slot:
+    """A posted receive, filled by the matching message."""
+
+    src: int
+    tensor: torch.Tensor | None = None
+    arrival: float = 0.0
+
+
+class SimWorld:
+    """n simulated workers in one process, deterministic, with virtual clocks.
+
+    Args:
+        world_size: number of workers (>= 1).
+        network: message costs (default :class:`NetworkModel`: 1 Gbit/s, 50 us).
+        compute: step costs (default :class:`ComputeModel`: 10 ms per step).
+        seed: seeds each worker's torch CPU generator and compute jitter (default 0).
+        timeout: virtual seconds a blocking operation waits for a peer before it fails with
+            an error naming the peer (default 300).
+        real_timeout: real seconds one worker may run without communicating before the run
+            is declared hung (default 600).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        network: NetworkModel | None = None,
+        compute: ComputeModel | None = None,
+        seed: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+        real_timeout: float = 600.0,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not real_timeout > 0:
+            raise ValueError(f"real_timeout must be > 0 seconds, got {real_timeout!r}")
+        self.world_size = world_size
+        self.network = network if network is not None else NetworkModel()
+        self.compute = compute if compute is not None else ComputeModel()
+        for rank in self.compute.stragglers:
+            check_rank(rank, world_size, "compute.stragglers")
+        self.seed = seed
+        self.timeout = float(timeout)
+        self.real_timeout = float(real_timeout)
+        self.report: SimReport | None = None
+        self._lock = threading.Lock()
+        self._in_run = False
+
+    # ------------------------------------------------------------------ running
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(comm, *args, **kwargs)`` on every worker; return the results by rank.
+
+        Raises :class:`SimulationError` if any worker raised, naming each failed rank.
+        After the run, :attr:`report` holds the virtual wall-clock, bytes and idle times.
+        """
+        if self._in_run:
+            raise RuntimeError("SimWorld.run is not re-entrant")
+        self._in_run = True
+        saved_rng = torch.get_rng_state()
+        try:
+            return self._run(fn, args, kwargs)
+        finally:
+            torch.set_rng_state(saved_rng)
+            self._in_run = False
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
+        n = self.world_size
+        self._workers = [_Worker(r, self.seed) for r in range(n)]
+        self._ready: list[tuple[float, int]] = [(0.0, r) for r in range(n)]
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._pending: dict[tuple[tuple[int, ...], int], _Pending] = {}
+        self._inbox: dict[tuple[int, int], deque[tuple[torch.Tensor, float]]] = defaultdict(deque)
+        self._posted: dict[tuple[int, int], deque[_Slot]] = defaultdict(deque)
+        self._running: _Worker | None = None
+        self._running_since = time.perf_counter()
+        self._finished = threading.Event()
+        threads = [
+            threading.Thread(
+                target=self._thread_main, args=(w, fn, args, kwargs), daemon=True,
+                name=f"gossamer-sim-{w.rank}",
+            )
+            for w in self._workers
+        ]
+        for t in threads:
+            t.start()
+        with self._lock:
+            self._dispatch(self._pick())
+        while not self._finished.wait(0.5):
+            with self._lock:
+                running = self._running
+                overrun = time.perf_counter() - self._running_since
+            if running is not None and overrun > self.real_timeout:
+                raise CommTimeoutError(
+                    f"rank {running.rank} ran for {overrun:.0f} s of real time without "
+                    "communicating (real_timeout); the simulation is hung",
+                    op="run", peers=[running.rank],
+                )
+        for t in threads:
+            t.join()
+        self.report = self._make_report()
+        failures = {w.rank: w.error for w in self._workers if w.error is not None}
+        if failures:
+            lines = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items())]
+            first = min(failures, key=lambda r: (self._workers[r].clock, r))
+            raise SimulationError(
+                f"{len(failures)} of {n} simulated workers failed:\n" + "\n".join(lines),
+                failures,
+            ) from failures[first]
+        return [w.result for w in self._workers]
+
+    def _thread_main(self, w: _Worker, fn: Callable, args: tuple, kwargs: dict) -> None:
+        w.wakeup.acquire()
+        self._resume(w)
+        try:
+            w.result = fn(SimComm(self, w, tuple(range(self.world_size))), *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported by run()
+            w.error = exc
+        with self._lock:
+            w.state = _DONE
+            self._dispatch(self._pick())
+
+    def _make_report(self) -> SimReport:
+        links: dict[tuple[int, int], int] = {}
+        for w in self._workers:
+            for peer, nbytes in w.stats.bytes_sent.items():
+                if nbytes:
+                    links[(w.rank, peer)] = nbytes
+        return SimReport(
+            wall_clock=max(w.clock for w in self._workers),
+            clocks=[w.clock for w in self._workers],
+            compute_time=[w.compute_time for w in self._workers],
+            idle_time=[w.idle_time for w in self._workers],
+            steps=[w.steps for w in self._workers],
+            bytes_sent=[w.stats.total_bytes_sent for w in self._workers],
+            bytes_per_link=links,
+            messages_sent=[w.stats.total_messages_sent for w in self._workers],
+        )
+
+    # ------------------------------------------------------------------ scheduling
+    def _pick(self) -> _Worker | None:
+        """The next worker to run (lock held): the smallest (clock, rank) among the ready,
+        after firing every timeout that falls before it."""
+        while True:
+            while self._deadlines:
+                deadline, rank, token = self._deadlines[0]
+                w = self._workers[rank]
+                if w.state == _BLOCKED and w.deadline_token == token:
+                    break
+                heapq.heappop(self._deadlines)
+            if self._deadlines and (not self._ready or self._deadlines[0][0] < self._ready[0][0]):
+                deadline, rank, _ = heapq.heappop(self._deadlines)
+                self._fire_timeout(self._workers[rank], deadline)
+                continue
+            if self._ready:
+                _, rank = heapq.heappop(self._ready)
+                return self._workers[rank]
+            blocked = [w for w in self._workers if w.state == _BLOCKED]
+            if not blocked:
+                return None
+            for w in blocked:  # only reachable with an infinite timeout
+                self._wake(w, w.clock, CommError(
+                    f"deadlock: every live worker is blocked; rank {w.rank} waits in "
+                    f"{w.wait.op if w.wait else '?'}", op=w.wait.op if w.wait else "?",
+                ))
+
+    def _dispatch(self, w: _Worker | None) -> None:
+        """Hand the turn to ``w`` (lock held by the caller, who stops running)."""
+        self._running = w
+        self._running_since = time.perf_counter()
+        if w is None:
+            self._finished.set()
+        else:
+            w.state = _RUNNING
+            w.wakeup.release()
+
+    def _resume(self, w: _Worker) -> None:
+        """Runs in ``w``'s own thread when it gets the turn."""
+        torch.set_rng_state(w.torch_rng)
+        w.resumed_at = time.perf_counter()
+
+    def _yield(self, w: _Worker) -> None:
+        """Give up the turn (lock held, released on return) and come back when scheduled.
+
+        The caller has either queued ``w`` as ready or marked it blocked.
+        """
+        nxt = self._pick()
+        if nxt is w:
+            w.state = _RUNNING
+            self._lock.release()
+        else:
+            w.torch_rng = torch.get_rng_state()
+            w.active_time += time.perf_counter() - w.resumed_at
+            self._dispatch(nxt)
+            self._lock.release()
+            w.wakeup.acquire()
+            self._resume(w)
+        if w.wake_error is not None:
+            error, w.wake_error = w.wake_error, None
+            raise error
+
+    def _sync(self, w: _Worker) -> None:
+        """Let every worker that is earlier in virtual time act first (lock held)."""
+        heapq.heappush(self._ready, (w.clock, w.rank))
+        w.state = _READY
+        self._yield(w)
+        self._lock.acquire()
+
+    def _block(self, w: _Worker, wait: _Wait) -> None:
+        """Block ``w`` until woken or until its timeout (lock held; released on return)."""
+        w.state = _BLOCKED
+        w.wait = wait
+        w.deadline_token += 1
+        heapq.heappush(self._deadlines, (wait.started + self.timeout, w.rank, w.deadline_token))
+        self._yield(w)
+
+    def _wake(self, w: _Worker, at: float, error: BaseException | None = None) -> None:
+        w.idle_time += max(0.0, at - w.clock)
+        w.clock = max(w.clock, at)
+        w.state = _READY
+        w.wait = None
+        w.wake_error = error
+        heapq.heappush(self._ready, (w.clock, w.rank))
+
+    def _describe(self, rank: int) -> str:
+        w = self._workers[rank]
+        if w.error is not None:
+            return f"rank {rank} (failed: {type(w.error).__name__}: {w.error})"
+        if w.state == _DONE:
+            return f"rank {rank} (finished)"
+        if w.state == _BLOCKED and w.wait is not None:
+            return f"rank {rank} (blocked in {w.wait.op} at t={w.clock:.6g} s)"
+        return f"rank {rank} (at t={w.clock:.6g} s, not there yet)"
+
+    def _fire_timeout(self, w: _Worker, deadline: float) -> None:
+        """``w`` gave up waiting at virtual time ``deadline`` (lock held)."""
+        wait = w.wait
+        assert wait is not None
+        if isinstance(wait, _CollectiveWait):
+            pending = wait.pending
+            assert pending is not None
+            wait.peers = tuple(
+                m for m in pending.members if pending.arrivals.get(m, math.inf) > deadline
+            )
+        elif isinstance(wait, _ExchangeWait):
+            assert wait.handle is not None
+            wait.peers = tuple(
+                s.src for s in wait.handle._slots if s.tensor is None or s.arrival > deadline
+            )
+        peers = ", ".join(self._describe(p) for p in wait.peers) or "nobody"
+        error = CommTimeoutError(
+            f"{wait.op} on rank {w.rank} timed out after {self.timeout:g} s (virtual) "
+            f"waiting for {peers}",
+            op=wait.op, peers=wait.peers,
+        )
+        self._wake(w, deadline, error)
+        if isinstance(wait, _CollectiveWait) and wait.pending.abandoned_at is None:
+            pending = wait.pending
+            pending.abandoned_at = deadline
+            # Members that arrive after the give-up (in virtual time) find it abandoned.
+            for m, arrival in pending.arrivals.items():
+                member = self._workers[m]
+                if arrival > deadline and member.state == _BLOCKED and isinstance(
+                    member.wait, _CollectiveWait
+                ) and member.wait.pending is pending:
+                    self._wake(member, arrival, self._abandoned(pending, w.rank, deadline))
+
+    def _abandoned(self, pending: _Pending, by: int, at: float) -> CommError:
+        return CommError(
+            f"{pending.name}: rank {by} gave up on it at t={at:.6g} s (timeout), before this "
+            "worker arrived", op=pending.name, peers=[by],
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def _collective(
+        self, view: SimComm, kind: str, data: Any, signature: Any,
+        finish: Callable[[_Pending], tuple[float, dict[int, Any]]],
+    ) -> Any:
+        """Arrive at a collective of ``view``'s members; the last to arrive completes it."""
+        w = view._worker
+        members = view._members
+        # No need to wait for earlier workers first: the outcome depends only on the members'
+        # virtual arrival times, and a timeout is decided by comparing them (see _fire_timeout).
+        self._lock.acquire()
+        w.collective_seq[members] += 1
+        seq = w.collective_seq[members]
+        key = (members, seq)
+        name = f"{kind} #{seq}"
+        pending = self._pending.setdefault(key, _Pending(kind, members, name))
+        arrival = max(w.clock, w.nic_free)
+        first = next(iter(pending.data.values()), None)
+        if pending.kind != kind or (first is not None and first[0] != signature):
+            pending.abandoned_at = -math.inf
+            self._lock.release()
+            raise CommError(
+                f"{name}: members called different collectives or shapes "
+                f"({first[0] if first else pending.kind} vs {signature})", op=name,
+            )
+        if pending.abandoned_at is not None and arrival > pending.abandoned_at:
+            self._lock.release()
+            by = min(pending.arrivals, key=lambda m: pending.arrivals[m])
+            raise self._abandoned(pending, by, pending.abandoned_at)
+        pending.arrivals[w.rank] = arrival
+        pending.data[w.rank] = (signature, data)
+        arrivals = pending.arrivals.values()
+        if (
+            len(pending.arrivals) < len(members)
+            or pending.abandoned_at is not None
+            or max(arrivals) > min(arrivals) + self.timeout  # someone gave up first
+        ):
+            missing = tuple(m for m in members if m not in pending.arrivals)
+            self._block(w, _CollectiveWait(name, missing, arrival, pending=pending))
+            return pending.results.pop(w.rank, None)
+        del self._pending[key]
+        end, results = finish(pending)
+        pending.results.update(results)
+        for m in members:
+            member = self._workers[m]
+            member.nic_free = end
+            if member is not w:
+                self._wake(member, end)
+        self._wake(w, end)
+        self._yield(w)
+        return pending.results.pop(w.rank, None)
+
+    # ------------------------------------------------------------------ point to point
+    def _send(self, w: _Worker, dst: int, tensor: torch.Tensor) -> float:
+        """Queue a message on ``w``'s NIC (lock held); returns when the NIC is done with it."""
+        nbytes = tensor_nbytes(tensor)
+        start = max(w.clock, w.nic_free)
+        w.nic_free = start + self.network.transfer_time(w.rank, dst, nbytes)
+        arrival = w.nic_free + self.network.message_time(w.rank, dst, 0)
+        payload = tensor.detach().clone()
+        posted = self._posted[(w.rank, dst)]
+        if posted:
+            slot = posted.popleft()
+            slot.tensor, slot.arrival = payload, arrival
+            receiver = self._workers[dst]
+            if receiver.state == _BLOCKED and isinstance(receiver.wait, _ExchangeWait):
+                self._maybe_complete(receiver)
+        else:
+            self._inbox[(w.rank, dst)].append((payload, arrival))
+        return w.nic_free
+
+    def _post(self, w: _Worker, src: int) -> _Slot:
+        slot = _Slot(src)
+        inbox = self._inbox[(src, w.rank)]
+        if inbox:
+            slot.tensor, slot.arrival = inbox.popleft()
+        else:
+            self._posted[(src, w.rank)].append(slot)
+        return slot
+
+    def _maybe_complete(self, w: _Worker) -> None:
+        """Wake ``w`` if its exchange has everything it waits for (lock held)."""
+        wait = w.wait
+        assert isinstance(wait, _ExchangeWait) and wait.handle is not None
+        missing = tuple(s.src for s in wait.handle._slots if s.tensor is None)
+        if missing:
+            wait.peers = missing
+            return
+        deadline = wait.started + self.timeout
+        completion = wait.handle._completion()
+        if completion > deadline:  # a message arrives, in virtual time, too late
+            self._fire_timeout(w, deadline)
+        else:
+            self._wake(w, completion)
+
+
+@dataclass
+class _CollectiveWait(_Wait):
+    pending: _Pending | None = None
+
+
+@dataclass
+class _ExchangeWait(_Wait):
+    handle: _SimHandle | None = None
+
+
+class _SimHandle:
+    """An exchange in flight in the simulator."""
+
+    def __init__(
+        self, view: SimComm, slots: list[_Slot], sends_done: float,
+        like: torch.Tensor | None, name: str,
+    ) -> None:
+        self._view = view
+        self._slots = slots
+        self._sends_done = sends_done
+        self._like = like
+        self._name = name
+        self._result: dict[int, torch.Tensor] | None = None
+
+    def _completion(self) -> float:
+        return max([self._sends_done] + [s.arrival for s in self._slots])
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self._result is not None:
+            return self._result
+        view = self._view
+        world, w = view._world, view._worker
+        world._lock.acquire()
+        wait = _ExchangeWait(self._name, (), w.clock, handle=self)
+        if any(s.tensor is None for s in self._slots):
+            world._block(w, wait)
+        else:
+            w.wait = wait
+            world._maybe_complete(w)
+            world._yield(w)
+        result = {}
+        for slot in self._slots:
+            tensor = slot.tensor
+            assert tensor is not None and self._like is not None
+            if tensor.numel() != self._like.numel() or tensor.dtype != self._like.dtype:
+                raise CommError(
+                    f"{self._name}: rank {view._to_local(slot.src)} sent {tensor.numel()} "
+                    f"{tensor.dtype} elements, expected {self._like.numel()} {self._like.dtype}",
+                    op=self._name, peers=[view._to_local(slot.src)],
+                )
+            peer = view._to_local(slot.src)
+            view._record(peer, tensor_nbytes(tensor), sent=False)
+            result[peer] = tensor.view(self._like.shape).to(self._like.device)
+        self._result = result
+        return result
+
+
+class SimComm:
+    """One simulated worker's communicator (over the whole world or a subgroup of it)."""
+
+    def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...]) -> None:
+        self._world = world
+        self._worker = worker
+        self._members = members
+        self._index = {g: i for i, g in enumerate(members)}
+        self._rank = self._index[worker.rank]
+        self._stats = worker.stats if len(members) == world.world_size and members == tuple(
+            range(world.world_size)
+        ) else CommStats()
+        self._exchanges = 0
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self._members)
+
+    @property
+    def stats(self) -> CommStats:
+        return self._stats
+
+    @property
+    def global_rank(self) -> int:
+        return self._worker.rank
+
+    def _to_local(self, global_rank: int) -> int:
+        return self._index[global_rank]
+
+    def _record(self, peer: int, nbytes: int, *, sent: bool, messages: int = 1) -> None:
+        """Count traffic with ``peer`` (a rank of this view) here and in the world stats."""
+        targets = [(self._stats, peer)]
+        if self._stats is not self._worker.stats:
+            targets.append((self._worker.stats, self._members[peer]))
+        for stats, p in targets:
+            if sent:
+                stats.record_send(p, nbytes, messages)
+            else:
+                stats.record_receive(p, nbytes, messages)
+
+    def _record_traffic(self, sent: cost.Traffic, received: cost.Traffic) -> None:
+        for peer, nbytes, messages in sent:
+            self._record(peer, nbytes, sent=True, messages=messages)
+        for peer, nbytes, messages in received:
+            self._record(peer, nbytes, sent=False, messages=messages)
+
+    def _count(self, op: str) -> None:
+        self._stats.operations[op] += 1
+        if self._stats is not self._worker.stats:
+            self._worker.stats.operations[op] += 1
+
+    # ---- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        n, me = self.world_size, self._rank
+        self._count("all_reduce")
+        numel, esize = tensor.numel(), tensor.element_size()
+        self._record_traffic(
+            cost.ring_all_reduce_traffic(me, n, numel, esize),
+            [((me - 1) % n, b, m) for _, b, m in cost.ring_all_reduce_traffic((me - 1) % n, n,
+                                                                              numel, esize)],
+        )
+        if n == 1:
+            return tensor
+        world = self._world
+
+        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
+            parts = [p.data[m][1] for m in p.members]
+            total = parts[0].detach().clone()
+            for part in parts[1:]:
+                total.add_(part)
+            if op == "mean":
+                total.div_(n)
+            for part in parts:
+                part.copy_(total)
+            start = max(p.arrivals.values())
+            return start + cost.ring_all_reduce_time(
+                n, numel, esize, world.network, p.members), {}
+
+        signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
+        with torch.no_grad():
+            self._world._collective(self, "all_reduce", tensor, signature, finish)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        n, me = self.world_size, self._rank
+        self._count("all_gather")
+        world = self._world
+
+        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
+            parts = [p.data[m][1] for m in p.members]
+            sizes = [tensor_nbytes(t) for t in parts]
+            # Each member gets copies of its own: it may modify them in place.
+            results = {m: (sizes, [t.detach().clone() for t in parts]) for m in p.members}
+            start = max(p.arrivals.values())
+            return start + cost.ring_all_gather_time(sizes, world.network, p.members), results
+
+        signature = ("all_gather", tensor.dtype, tensor.dim())
+        if n == 1:
+            return [tensor.detach().clone()]
+        sizes, parts = self._world._collective(self, "all_gather", tensor, signature, finish)
+        pred = (me - 1) % n
+        self._record_traffic(
+            cost.ring_all_gather_traffic(me, n, sizes),
+            [(pred, b, m) for _, b, m in cost.ring_all_gather_traffic(pred, n, sizes)],
+        )
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        n, me = self.world_size, self._rank
+        check_rank(src, n, "src")
+        self._count("broadcast")
+        nbytes = tensor_nbytes(tensor)
+        self._record_traffic(
+            cost.broadcast_traffic(me, n, src, nbytes),
+            [(s, nbytes, 1) for s in cost.broadcast_sources(me, n, src)],
+        )
+        if n == 1:
+            return tensor
+        world = self._world
+
+        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
+            source = p.data[p.members[src]][1]
+            for m in p.members:
+                if m != p.members[src]:
+                    p.data[m][1].copy_(source)
+            start = max(p.arrivals.values())
+            return start + cost.broadcast_time(n, src, nbytes, world.network, p.members), {}
+
+        signature = ("broadcast", src, tuple(tensor.shape), tensor.dtype)
+        with torch.no_grad():
+            self._world._collective(self, "broadcast", tensor, signature, finish)
+        return tensor
+
+    def barrier(self) -> None:
+        n, me = self.world_size, self._rank
+        self._count("barrier")
+        self._record_traffic(
+            cost.barrier_traffic(me, n),
+            [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))],
+        )
+        if n == 1:
+            return
+        world = self._world
+
+        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
+            start = max(p.arrivals.values())
+            return start + cost.barrier_time(n, world.network, p.members), {}
+
+        self._world._collective(self, "barrier", None, ("barrier",), finish)
+
+    # ---- point to point
+    def exchange(
+        self,
+        sends: Mapping[int, torch.Tensor],
+        recv_from: Sequence[int],
+        recv_like: torch.Tensor | None = None,
+    ) -> _SimHandle:
+        like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
+        self._exchanges += 1
+        name = f"exchange #{self._exchanges}"
+        self._count("exchange")
+        world, w = self._world, self._worker
+        with world._lock:
+            sends_done = w.clock
+            for peer, tensor in sends.items():
+                sends_done = world._send(w, self._members[peer], tensor)
+                self._record(peer, tensor_nbytes(tensor), sent=True)
+            slots = [world._post(w, self._members[src]) for src in recv_from]
+        return _SimHandle(self, slots, sends_done, like, name)
+
+    def group(self, ranks: Sequence[int]) -> SimComm:
+        ranks = check_group_ranks(ranks, self.world_size)
+        if self._rank not in ranks:
+            raise ValueError(f"ranks {list(ranks)} do not include this worker's rank {self._rank}")
+        return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks))
+
+    # ---- time
+    def clock(self) -> float:
+        return self._worker.clock
+
+    def compute_step(self) -> None:
+        w = self._worker
+        model = self._world.compute
+        if model.measured:
+            now = time.perf_counter()
+            duration = w.active_time + (now - w.resumed_at)
+            w.active_time, w.resumed_at = 0.0, now
+        else:
+            duration = model.step_duration(w.rank, w.rng)
+        w.clock += duration
+        w.compute_time += duration
+        w.steps += 1

@@ -1,0 +1,745 @@
+"""The Communicator over a c10d process group: one process per worker, gloo on CPU, NCCL on GPU.
+
+:meth:`TorchCommunicator.from_env` starts torch.distributed under torchrun, SLURM or Open MPI
+(or as a single process); the constructor wraps a process group that is already initialised.
+
+Failures are made readable: every blocking operation is bounded by the timeout, and when one
+fails the error names the operation ("all_reduce #12") and the peer that did not answer. To tell
+a dead peer from a slow one, each worker runs a heartbeat beacon that writes a counter to the
+c10d store every 0.5 s; on failure the survivors read their peers' counters twice and name the
+ones that stopped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from gossamer.comm import cost
+from gossamer.comm.base import (
+    DEFAULT_TIMEOUT,
+    CommError,
+    CommStats,
+    CommTimeoutError,
+    Communicator,
+    ReduceOp,
+    check_exchange,
+    check_rank,
+    tensor_nbytes,
+)
+from gossamer.comm.p2p_group import P2PGroup, check_headers, divide_, numel_of, shape_header
+
+__all__ = [
+    "LaunchEnv",
+    "TorchCommunicator",
+    "expand_nodelist",
+    "launch_env_from",
+]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"  # loopback: nothing is exposed beyond this machine by default
+DEFAULT_MASTER_PORT = 29500
+
+HEARTBEAT_INTERVAL = 0.5  # seconds between beats
+_DIAGNOSE_GAP = 1.5  # seconds between the two reads of the peers' beats (three beats)
+_STORE_READ_TIMEOUT = 5.0  # a diagnosis must not hang on a store that does not answer
+
+# --------------------------------------------------------------------------------------------
+# Launch environment
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as read from the launcher's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: Literal["torchrun", "slurm", "mpi", "single"]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM host list such as ``node[01-04,07],gpu2`` into host names.
+
+    Zero padding is kept (``node[08-10]`` gives ``node08 node09 node10``) and several bracket
+    groups in one name expand to their product (``r[1-2]n[1-2]``). Raises ValueError on
+    unbalanced brackets or bad ranges.
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts.extend(_expand_host(item, nodelist))
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at the commas that are outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"nested brackets in host list {text!r}")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in host list {text!r}")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced '[' in host list {text!r}")
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_host(item: str, whole: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", item)
+    if match is None:
+        return [item]
+    prefix, suffix = item[: match.start()], item[match.end():]
+    values: list[str] = []
+    for part in match.group(1).split(","):
+        part = part.strip()
+        bounds = part.split("-")
+        if len(bounds) == 1 and bounds[0].isdigit():
+            values.append(bounds[0])
+        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
+            lo, hi = int(bounds[0]), int(bounds[1])
+            if lo > hi:
+                raise ValueError(f"descending range {part!r} in host list {whole!r}")
+            width = len(bounds[0])
+            values.extend(str(v).zfill(width) for v in range(lo, hi + 1))
+        else:
+            raise ValueError(f"bad range {part!r} in host list {whole!r}")
+    return [h for v in values for h in _expand_host(prefix + v + suffix, whole)]
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None or value.strip() == "":
+        if default is None:
+            raise ValueError(f"environment variable {name} is required but not set")
+        return default
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launch_env_from(environ: Mapping[str, str]) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from a launcher's environment.
+
+    Tried in order: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), SLURM
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the master defaults to the first host
+    of ``SLURM_JOB_NODELIST``), Open MPI (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``); with none of them, a single process. ``MASTER_ADDR`` and
+    ``MASTER_PORT`` override the address (default 127.0.0.1:29500). A pure function, so it can
+    be tested without a launcher; raises ValueError naming the variable that is malformed.
+    """
+    master_addr = environ.get("MASTER_ADDR", "").strip()
+    source: Literal["torchrun", "slurm", "mpi", "single"]
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        source, rank_var, size_var, local_var = "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    elif "SLURM_PROCID" in environ:
+        size_var = "SLURM_NTASKS" if "SLURM_NTASKS" in environ else "SLURM_NPROCS"
+        source, rank_var, local_var = "slurm", "SLURM_PROCID", "SLURM_LOCALID"
+        if not master_addr:
+            var = "SLURM_JOB_NODELIST" if environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
+            nodelist = environ.get(var)
+            if nodelist:
+                try:
+                    hosts = expand_nodelist(nodelist)
+                except ValueError as exc:
+                    raise ValueError(f"environment variable {var}: {exc}") from None
+                if not hosts:
+                    raise ValueError(f"environment variable {var}={nodelist!r} names no host")
+                master_addr = hosts[0]
+    elif "OMPI_COMM_WORLD_RANK" in environ:
+        source, rank_var, size_var = "mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"
+        local_var = "OMPI_COMM_WORLD_LOCAL_RANK"
+    else:
+        source, rank_var, size_var, local_var = "single", "", "", ""
+
+    if source == "single":
+        rank, world_size, local_rank = 0, 1, 0
+    else:
+        world_size = _env_int(environ, size_var)
+        rank = _env_int(environ, rank_var)
+        # Without a local rank, assume one node: the local rank is the rank.
+        local_rank = _env_int(environ, local_var, default=rank)
+    if world_size < 1:
+        raise ValueError(f"environment variable {size_var}={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"environment variable {rank_var}={rank} is not a rank of a world of size "
+            f"{world_size} ({size_var})"
+        )
+    if local_rank < 0:
+        raise ValueError(f"environment variable {local_var}={local_rank} must be >= 0")
+    master_port = _env_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT)
+    if not 0 < master_port < 65536:
+        raise ValueError(f"environment variable MASTER_PORT={master_port} is not a TCP port")
+    return LaunchEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        master_addr=master_addr or DEFAULT_MASTER_ADDR,
+        master_port=master_port,
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeat
+# --------------------------------------------------------------------------------------------
+
+
+class _Heartbeat:
+    """A daemon thread that writes ``{counter}:{op_seq}:{op_label}`` to the store every 0.5 s.
+
+    It has its own store connection, so it beats while the main thread is blocked in a
+    collective; a second connection serves the main thread's reads when it diagnoses a failure.
+    """
+
+    def __init__(self, host: str, port: int, prefix: str, comm: TorchCommunicator) -> None:
+        self.host, self.port, self.prefix = host, port, prefix
+        self._comm = comm
+        connect = timedelta(seconds=min(comm.timeout, 60.0))
+        self._writer = dist.TCPStore(host, port, is_master=False, timeout=connect,
+                                     wait_for_workers=False)
+        self._reader = dist.TCPStore(host, port, is_master=False, timeout=connect,
+                                     wait_for_workers=False)
+        self._writer.set_timeout(timedelta(seconds=_STORE_READ_TIMEOUT))
+        self._reader.set_timeout(timedelta(seconds=_STORE_READ_TIMEOUT))
+        self._counter = 0
+        self._key = self.key(comm._global_ranks[comm.rank])
+        self._beat()  # the key exists as soon as the communicator does
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def key(self, global_rank: int) -> str:
+        return f"{self.prefix}/{global_rank}"
+
+    def _beat(self) -> None:
+        self._counter += 1
+        seq, label = self._comm._seq, self._comm._label
+        self._writer.set(self._key, f"{self._counter}:{seq}:{label}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store went away (job ending): keep quiet
+                pass
+
+    def read(self, global_rank: int) -> tuple[int, int, str] | None:
+        """A peer's last beat ``(counter, op_seq, op_label)``, or None if it never beat."""
+        key = self.key(global_rank)
+        if not self._reader.check([key]):
+            return None
+        counter, seq, label = self._reader.get(key).decode().split(":", 2)
+        return int(counter), int(seq), label
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
+
+
+# --------------------------------------------------------------------------------------------
+# The communicator
+# --------------------------------------------------------------------------------------------
+
+
+class _Exchange:
+    """The handle of :meth:`TorchCommunicator.exchange`; ``wait()`` is idempotent."""
+
+    def __init__(self, comm: TorchCommunicator, label: str, peers: list[int], works: list,
+                 sends: list[torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        self._comm, self._label, self._peers = comm, label, peers
+        self._works = works
+        self._sends = sends  # kept alive until the sends completed
+        self._recvs = recvs
+        self._result: dict[int, torch.Tensor] | None = None
+        self._error: CommError | None = None
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self._result is not None:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        deadline = time.perf_counter() + self._comm.timeout
+        try:
+            for work in self._works:
+                self._comm._wait(work, self._label, self._peers, deadline, collective=False)
+        except CommError as exc:
+            self._error = exc
+            raise
+        for peer, buf in self._recvs.items():
+            self._comm.stats.record_receive(peer, tensor_nbytes(buf))
+        self._result = dict(self._recvs)
+        self._works, self._sends = [], []
+        return self._result
+
+
+class TorchCommunicator:
+    """A :class:`~gossamer.comm.base.Communicator` over a c10d process group.
+
+    Args:
+        group: the process group (default: the default group, which must be initialised).
+        timeout: seconds any blocking operation may wait for a peer before it fails.
+        store: the c10d store of the group; if it is a TCPStore its address is used for the
+            heartbeat (see ``store_addr``).
+        store_addr: ``(host, port)`` of a TCPStore that all members can reach. With it (or with
+            ``store``) a heartbeat runs, and failures name the peer that stopped; without it
+            they name every peer of the failed operation as a suspect.
+
+    Tensors go to the backend on their own device (gloo: CPU, NCCL: CUDA). After a CommError
+    the process group is in an undefined state: stop, or restart the job.
+
+    ``close()`` stops the heartbeat. Destroying the process group is the caller's business,
+    unless :meth:`from_env` created it: then ``close()`` destroys it too.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        store: dist.Store | None = None,
+        store_addr: tuple[str, int] | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialised: call TorchCommunicator.from_env() or "
+                "dist.init_process_group() first"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._group = group if group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self._group)
+        if self._rank < 0:
+            raise ValueError("this process is not a member of the given group")
+        self._world_size = dist.get_world_size(self._group)
+        self._global_ranks = list(dist.get_process_group_ranks(self._group))
+        self._backend = str(dist.get_backend(self._group))
+        self._timeout = float(timeout)
+        self._stats = CommStats()
+        self._t0 = time.perf_counter()
+        self._seq = 0  # collectives started: every member runs the same sequence
+        self._exchanges = 0
+        self._label = "start"
+        self._store = store  # kept alive with the communicator
+        self._owns_group = False
+        if store_addr is None and isinstance(store, dist.TCPStore):
+            store_addr = (store.host, store.port)
+        self._heartbeat: _Heartbeat | None = None
+        if store_addr is not None:
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            name = getattr(self._group, "group_name", "") or "default"
+            prefix = f"gossamer/{restart}/hb/{name}"
+            self._heartbeat = _Heartbeat(store_addr[0], int(store_addr[1]), prefix, self)
+
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        backend: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        bind_all: bool = False,
+    ) -> TorchCommunicator:
+        """Initialise torch.distributed from the launcher's environment and wrap it.
+
+        See :func:`launch_env_from` for the launchers understood. The backend defaults to NCCL
+        when CUDA is available (the CUDA device is set to the local rank), gloo otherwise. Rank 0
+        hosts the TCPStore (the torchelastic agent does when ``TORCHELASTIC_USE_AGENT_STORE``
+        is ``True``); it listens on MASTER_ADDR only, or on all interfaces with
+        ``bind_all=True``. If the default group exists already, it is wrapped as it is.
+        """
+        if dist.is_initialized():
+            return cls(timeout=timeout)
+        env = launch_env_from(os.environ)
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank)
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        is_master = env.rank == 0 and not agent_store
+        port = env.master_port
+        if env.world_size == 1 and "MASTER_PORT" not in os.environ:
+            port = 0  # alone: any free port, so that single runs never collide on 29500
+        span = timedelta(seconds=timeout)
+        listen_fd = None
+        if is_master and not bind_all:
+            listen_fd, port = _listen_fd(env.master_addr, port)
+        store = dist.TCPStore(
+            env.master_addr, port, env.world_size if is_master else None, is_master,
+            timeout=span, wait_for_workers=False, master_listen_fd=listen_fd,
+        )
+        options = None
+        if backend == "gloo" and _is_loopback(env.master_addr):
+            options = _loopback_gloo_options(span)
+        kwargs = {"pg_options": options} if options is not None else {}
+        dist.init_process_group(
+            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=span,
+            **kwargs,
+        )
+        try:
+            comm = cls(timeout=timeout, store=store, store_addr=(env.master_addr, store.port))
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        comm._owns_group = True
+        return comm
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def stats(self) -> CommStats:
+        return self._stats
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking operation waits before it fails."""
+        return self._timeout
+
+    @property
+    def device(self) -> torch.device:
+        """Where this communicator's own small tensors live (CUDA for NCCL, else CPU)."""
+        if self._backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return self._group
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Sum (or average) ``tensor`` over all ranks, in place; returns it.
+
+        ``mean`` of an integer tensor rounds down.
+        """
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        label = self._begin("all_reduce")
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self._run(label, lambda: dist.all_reduce(buf, group=self._group, async_op=True))
+        if buf is not tensor:
+            tensor.copy_(buf)
+        if op == "mean":
+            divide_(tensor, self._world_size)
+        n = self._world_size
+        self._record_collective(
+            "all_reduce",
+            cost.ring_all_reduce_traffic(self._rank, n, tensor.numel(), tensor.element_size()),
+            cost.ring_all_reduce_traffic(
+                (self._rank - 1) % n, n, tensor.numel(), tensor.element_size()
+            ),
+        )
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor, in rank order; sizes may differ (same dtype and ndim).
+
+        The shapes travel first in a small int64 header; the payloads then go as bytes padded
+        to the largest, and are trimmed. Only the payload bytes are counted.
+        """
+        n = self._world_size
+        label = self._begin("all_gather")
+        header = shape_header(tensor).to(tensor.device)
+        headers = [torch.empty_like(header) for _ in range(n)]
+        self._run(label, lambda: dist.all_gather(headers, header, group=self._group,
+                                                 async_op=True))
+        shapes = check_headers(headers)
+        sizes = [numel_of(s) * tensor.element_size() for s in shapes]
+        width = max(sizes)
+        out: list[torch.Tensor]
+        if width == 0:
+            out = [torch.empty(s, dtype=tensor.dtype, device=tensor.device) for s in shapes]
+        else:
+            mine = torch.zeros(width, dtype=torch.uint8, device=tensor.device)
+            if tensor.numel():
+                mine[: sizes[self._rank]] = _as_bytes(tensor)
+            bufs = [torch.empty_like(mine) for _ in range(n)]
+            self._run(label, lambda: dist.all_gather(bufs, mine, group=self._group,
+                                                     async_op=True))
+            out = [
+                _from_bytes(buf[:size], tensor.dtype, shape)
+                for buf, size, shape in zip(bufs, sizes, shapes, strict=True)
+            ]
+        self._record_collective(
+            "all_gather",
+            cost.ring_all_gather_traffic(self._rank, n, sizes),
+            cost.ring_all_gather_traffic((self._rank - 1) % n, n, sizes),
+        )
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` everywhere with rank ``src``'s; returns it."""
+        check_rank(src, self._world_size, "src")
+        label = self._begin("broadcast")
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        root = self._global_ranks[src]
+        self._run(label, lambda: dist.broadcast(buf, root, group=self._group, async_op=True))
+        if buf is not tensor:
+            tensor.copy_(buf)
+        n, nbytes = self._world_size, tensor_nbytes(tensor)
+        received = [(s, nbytes, 1) for s in cost.broadcast_sources(self._rank, n, src)]
+        self._record_collective(
+            "broadcast", cost.broadcast_traffic(self._rank, n, src, nbytes), received,
+            mirror=False,
+        )
+        return tensor
+
+    def barrier(self) -> None:
+        """Return once every rank reached its barrier."""
+        label = self._begin("barrier")
+        # An all-reduce of one element works the same on every backend (NCCL's barrier has to
+        # guess a device), and Work.wait(timeout) bounds it.
+        token = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        self._run(label, lambda: dist.all_reduce(token, group=self._group, async_op=True))
+        n = self._world_size
+        received = [((self._rank - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))]
+        self._record_collective(
+            "barrier", cost.barrier_traffic(self._rank, n), received, mirror=False
+        )
+
+    def exchange(
+        self,
+        sends: Mapping[int, torch.Tensor],
+        recv_from: Sequence[int],
+        recv_like: torch.Tensor | None = None,
+    ) -> _Exchange:
+        """Post the sends and receives (isend/irecv) and return at once; see the protocol."""
+        like = check_exchange(self._rank, self._world_size, sends, recv_from, recv_like)
+        self._exchanges += 1
+        label = f"exchange #{self._exchanges}"
+        self._label = label
+        peers = sorted(set(sends) | set(recv_from))
+        works, kept = [], []
+        recvs: dict[int, torch.Tensor] = {}
+        deadline = time.perf_counter() + self._timeout
+        try:
+            for peer, t in sends.items():
+                buf = t if t.is_contiguous() else t.contiguous()
+                kept.append(buf)
+                works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
+            for peer in recv_from:
+                assert like is not None  # check_exchange guarantees it
+                buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                recvs[peer] = buf
+                works.append(dist.irecv(buf, self._global_ranks[peer], group=self._group))
+        except dist.DistError as exc:
+            raise self._failure(label, peers, exc, deadline, collective=False) from exc
+        for peer, t in sends.items():
+            self._stats.record_send(peer, tensor_nbytes(t))
+        self._stats.operations["exchange"] += 1
+        return _Exchange(self, label, peers, [w for w in works if w is not None], kept, recvs)
+
+    def group(self, ranks: Sequence[int]) -> Communicator:
+        """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`."""
+        return P2PGroup(self, ranks)
+
+    def clock(self) -> float:
+        """Real seconds since this communicator was made."""
+        return time.perf_counter() - self._t0
+
+    def compute_step(self) -> None:
+        """Nothing to do: real time passed while the step computed."""
+
+    def close(self) -> None:
+        """Stop the heartbeat; destroy the process group if :meth:`from_env` created it."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def __enter__(self) -> TorchCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"TorchCommunicator(rank={self._rank}, world_size={self._world_size}, "
+                f"backend={self._backend!r})")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _begin(self, op: str) -> str:
+        self._seq += 1
+        self._label = f"{op} #{self._seq}"
+        return self._label
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self._world_size) if r != self._rank]
+
+    def _run(self, label: str, start) -> None:
+        """Start a collective and wait for it within the timeout, or raise a CommError."""
+        deadline = time.perf_counter() + self._timeout
+        try:
+            work = start()
+        except dist.DistError as exc:
+            raise self._failure(label, self._others(), exc, deadline) from exc
+        if work is not None:
+            self._wait(work, label, self._others(), deadline)
+
+    def _wait(self, work, label: str, peers: list[int], deadline: float,
+              collective: bool = True) -> None:
+        # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond.
+        remaining = max(deadline - time.perf_counter(), 1e-3)
+        try:
+            done = work.wait(timeout=timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            raise self._failure(label, peers, exc, deadline, collective) from exc
+        if done is False:
+            raise self._failure(label, peers, None, deadline, collective)
+
+    def _failure(self, label: str, peers: list[int], exc: BaseException | None,
+                 deadline: float, collective: bool = True) -> CommError:
+        text = str(exc).strip() if exc is not None else "no completion"
+        timed_out = exc is None or "timed out" in text.lower()
+        if not timed_out and time.perf_counter() >= deadline:
+            timed_out = True
+        diagnosis, suspects = self._diagnose(label, peers, self._seq if collective else None)
+        what = f"timed out after {self._timeout:g} s" if timed_out else "failed"
+        message = f"{label} {what}: {diagnosis}. Original error: {text}"
+        cls = CommTimeoutError if timed_out else CommError
+        return cls(message, op=label, peers=suspects)
+
+    def _diagnose(self, label: str, peers: list[int], seq: int | None) -> tuple[str, list[int]]:
+        """Name the peers that stopped (or lag), from two reads of their heartbeats."""
+        names = ", ".join(f"rank {p}" for p in peers)
+        if self._heartbeat is None:
+            return f"no heartbeat store to tell which peer failed; suspects: {names}", peers
+        hb = self._heartbeat
+        try:
+            first = {p: hb.read(self._global_ranks[p]) for p in peers}
+            time.sleep(_DIAGNOSE_GAP)
+            second = {p: hb.read(self._global_ranks[p]) for p in peers}
+        except Exception as exc:  # noqa: BLE001 - any store failure means the same here
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return (
+                f"the heartbeat store at {hb.host}:{hb.port} is unreachable ({reason}), so its "
+                f"host (rank 0 unless an agent hosts it) may be down; suspects: {names}",
+                peers,
+            )
+        parts, suspects = [], []
+        for p in peers:
+            before, after = first[p], second[p]
+            if after is None:
+                parts.append(f"rank {p} stopped responding (no heartbeat)")
+            elif before is not None and after[0] <= before[0]:
+                parts.append(f"rank {p} stopped responding (last seen in {after[2]})")
+            elif seq is not None and after[1] < seq:
+                parts.append(f"rank {p} is alive but has not reached {label} (it is in "
+                             f"{after[2]})")
+            elif seq is None:
+                parts.append(f"rank {p} is alive (in {after[2]})")
+            else:
+                continue
+            suspects.append(p)
+        if not parts:
+            return f"every peer ({names}) is alive and reached it", peers
+        return "; ".join(parts), suspects
+
+    def _record_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic,
+                           mirror: bool = True) -> None:
+        """Count a collective as cost.py moves it. ``received`` is the sender's own traffic
+        (``mirror``: entries name the destination, and the sender is our predecessor)."""
+        for peer, nbytes, messages in sent:
+            self._stats.record_send(peer, nbytes, messages)
+        if mirror:
+            pred = (self._rank - 1) % self._world_size
+            for _dst, nbytes, messages in received:
+                self._stats.record_receive(pred, nbytes, messages)
+        else:
+            for src, nbytes, messages in received:
+                self._stats.record_receive(src, nbytes, messages)
+        self._stats.operations[op] += 1
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if data.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=data.device)
+    return data.clone().view(dtype).reshape(shape)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _listen_fd(host: str, port: int) -> tuple[int, int]:
+    """A socket listening on ``host:port`` only, for the TCPStore to serve on (it takes the fd);
+    returns the fd and the port (``port`` 0 picks a free one)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ValueError(f"cannot resolve MASTER_ADDR {host!r}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(
+            f"rank 0 cannot listen on MASTER_ADDR:MASTER_PORT {host}:{port} ({exc}); is the "
+            "port in use, or is MASTER_ADDR not an address of this host? (bind_all=True "
+            "listens on every interface)"
+        ) from exc
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound
+
+
+def _loopback_gloo_options(timeout: timedelta):
+    """Gloo options that keep its connections on 127.0.0.1 (every rank is on this host when
+    the master is loopback), unless GLOO_SOCKET_IFNAME says otherwise."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = timeout
+    except (AttributeError, RuntimeError):  # private API: fall back to gloo's own choice
+        return None
+    return options

@@ -1,0 +1,64 @@
+"""The command line: training end to end, topology printing, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gossamer.cli import main
+from gossamer.train.loop import TrainConfig, run_training
+
+
+def test_default_training_reaches_90_percent_on_digits():
+    result = run_training(TrainConfig(sim=4, quiet=True))
+    assert result["eval_accuracy"] >= 0.90
+    assert result["world_size"] == 4
+    assert result["bytes_sent_per_worker"] > 0
+    assert result["wall_clock"] > 0
+    assert result["synchronizations"] == TrainConfig().steps
+
+
+def test_train_command_prints_summary_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = main(["train", "--sim", "2", "--steps", "30", "--eval-every", "10", "--quiet",
+                 "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "eval accuracy" in printed and "bytes sent per worker" in printed
+    data = json.loads(out.read_text())
+    assert data["config"]["steps"] == 30
+    assert [h["step"] for h in data["result"]["history"]] == [10, 20, 30]
+
+
+def test_progress_is_shown_unless_quiet(capsys):
+    assert main(["train", "--sim", "2", "--steps", "10"]) == 0
+    assert "step 10/10" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--algorithm", "nope"], "known algorithms: allreduce"),
+        (["train", "--bandwidth", "-1"], "bandwidth"),
+        (["train", "--latency", "-1"], "latency"),
+        (["train", "--steps", "0"], "steps"),
+        (["train", "--option", "bucket_mb"], "KEY=VALUE"),
+        (["topology", "hypercube", "--workers", "6"], "n=6"),
+        (["topology", "ring", "--workers", "0"], "n must be >= 1"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_topology_command(capsys):
+    assert main(["topology", "exponential", "--workers", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "spectral gap" in out and "0 -> 1" in out
+
+
+def test_algorithms_command(capsys):
+    assert main(["algorithms"]) == 0
+    assert "allreduce" in capsys.readouterr().out

@@ -1,0 +1,288 @@
+"""SimWorld: collectives, exchange, virtual time, determinism, failures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gossamer.comm import CommError, CommTimeoutError, ComputeModel, NetworkModel, SimWorld, cost
+from gossamer.comm.sim import SimulationError
+
+
+def each_rank_holds_its_rank(comm):
+    n, r = comm.world_size, comm.rank
+    out = {}
+    t = torch.full((5,), float(r))
+    comm.all_reduce(t)
+    out["sum"] = t.tolist()
+    t = torch.full((3,), float(r))
+    comm.all_reduce(t, op="mean")
+    out["mean"] = t.tolist()
+    out["gather_equal"] = [x.tolist() for x in comm.all_gather(torch.tensor([float(r)]))]
+    out["gather_unequal"] = [x.tolist() for x in comm.all_gather(torch.full((r,), float(r)))]
+    if n > 1:
+        handle = comm.exchange({(r + 1) % n: torch.tensor([float(r)])}, [(r - 1) % n])
+        out["exchange"] = {k: v.tolist() for k, v in handle.wait().items()}
+    b = torch.tensor([float(r)])
+    comm.broadcast(b, src=n - 1)
+    out["broadcast"] = b.item()
+    comm.barrier()
+    reversed_group = comm.group(list(reversed(range(n))))
+    g = torch.tensor([float(reversed_group.rank)])
+    reversed_group.all_reduce(g)
+    out["group_rank"] = reversed_group.rank
+    out["group_sum"] = g.item()
+    if n >= 3 and r in (0, 2):
+        sub = comm.group([0, 2])
+        s = torch.tensor([float(r)])
+        sub.all_reduce(s)
+        out["subset_sum"] = s.item()
+        gathered = sub.all_gather(torch.tensor([float(r)] * (r + 1)))
+        out["subset_gather"] = [x.tolist() for x in gathered]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+def test_each_rank_holds_its_rank(n):
+    results = SimWorld(n).run(each_rank_holds_its_rank)
+    total = sum(range(n))
+    for r, out in enumerate(results):
+        assert out["sum"] == [float(total)] * 5
+        assert out["mean"] == pytest.approx([total / n] * 3)
+        assert out["gather_equal"] == [[float(i)] for i in range(n)]
+        assert out["gather_unequal"] == [[float(i)] * i for i in range(n)]
+        if n > 1:
+            assert out["exchange"] == {(r - 1) % n: [float((r - 1) % n)]}
+        assert out["broadcast"] == float(n - 1)
+        assert out["group_rank"] == n - 1 - r
+        assert out["group_sum"] == float(total)
+        if n >= 3 and r in (0, 2):
+            assert out["subset_sum"] == 2.0
+            assert out["subset_gather"] == [[0.0], [2.0, 2.0, 2.0]]
+
+
+def test_ring_all_reduce_time_matches_alpha_beta():
+    n, numel, alpha, bandwidth = 8, 8 * 1000, 1e-4, 1e8
+    world = SimWorld(n, network=NetworkModel(latency=alpha, bandwidth=bandwidth))
+
+    def fn(comm):
+        comm.all_reduce(torch.ones(numel))
+        return comm.clock()
+
+    clocks = world.run(fn)
+    nbytes = numel * 4
+    expected = 2 * (n - 1) * (alpha + nbytes / (n * bandwidth))
+    assert all(c == pytest.approx(expected, rel=0.01) for c in clocks)
+    # and the bytes each worker sent: 2 (n - 1) / n of the tensor, to its ring successor
+    assert world.report.bytes_sent == [2 * (n - 1) * nbytes // n] * n
+    assert set(world.report.bytes_per_link) == {(i, (i + 1) % n) for i in range(n)}
+
+
+def test_one_peer_exchange_time_matches_alpha_beta():
+    alpha, bandwidth, numel = 2e-4, 5e7, 10_000
+    world = SimWorld(2, network=NetworkModel(latency=alpha, bandwidth=bandwidth))
+
+    def fn(comm):
+        peer = 1 - comm.rank
+        comm.exchange({peer: torch.ones(numel)}, [peer]).wait()
+        return comm.clock()
+
+    expected = alpha + numel * 4 / bandwidth
+    assert world.run(fn) == pytest.approx([expected, expected], rel=0.01)
+
+
+def test_nic_serialises_sends_and_receiver_waits_for_late_sender():
+    alpha, bandwidth, numel = 1e-3, 1e6, 1000  # 4 ms per 4 kB message
+    world = SimWorld(
+        3, network=NetworkModel(latency=alpha, bandwidth=bandwidth),
+        compute=ComputeModel(step_time=0.5, stragglers={2: 2.0}),
+    )
+
+    def fn(comm):
+        if comm.rank == 0:  # two sends queue on one NIC: the second arrives a transfer later
+            comm.exchange({1: torch.ones(numel), 2: torch.ones(numel)}, []).wait()
+            return comm.clock()
+        if comm.rank == 1:
+            comm.exchange({}, [0], recv_like=torch.ones(numel)).wait()
+            comm.exchange({}, [2], recv_like=torch.ones(1)).wait()
+            return comm.clock()
+        comm.exchange({}, [0], recv_like=torch.ones(numel)).wait()
+        comm.compute_step()  # 1 s: rank 1 must wait for it
+        comm.exchange({1: torch.ones(1)}, []).wait()
+        return comm.clock()
+
+    clocks = world.run(fn)
+    transfer = numel * 4 / bandwidth
+    assert clocks[0] == pytest.approx(2 * transfer, rel=1e-6)
+    arrival_at_2 = 2 * transfer + alpha
+    sent_by_2 = arrival_at_2 + 1.0
+    assert clocks[2] == pytest.approx(sent_by_2 + 4 / bandwidth, rel=1e-6)
+    assert clocks[1] == pytest.approx(sent_by_2 + 4 / bandwidth + alpha, rel=1e-6)
+    assert world.report.idle_time[1] > 0.9
+
+
+def _train_steps(comm, steps=5):
+    xs = torch.randn(steps, 4, 8)  # the worker's own torch generator: differs per rank
+    torch.manual_seed(0)  # the same model on every worker
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in xs:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        comm.compute_step()
+        for p in model.parameters():
+            comm.all_reduce(p.grad, op="mean")
+        opt.step()
+        if comm.world_size > 1:
+            peer = (comm.rank + 1) % comm.world_size
+            comm.exchange({peer: model[0].weight.data}, [(comm.rank - 1) % comm.world_size]).wait()
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), comm.clock()
+
+
+def test_determinism_bit_for_bit():
+    def make():
+        return SimWorld(6, compute=ComputeModel(step_time=0.01, jitter=0.3, stragglers={1: 3.0}),
+                        seed=42)
+
+    first = make().run(_train_steps)
+    second = make().run(_train_steps)
+    for (p1, c1), (p2, c2) in zip(first, second, strict=True):
+        assert torch.equal(p1, p2)
+        assert c1 == c2
+    # different seeds give different random streams
+    third = SimWorld(6, seed=43).run(_train_steps)
+    assert not torch.equal(first[0][0], third[0][0])
+
+
+def test_torch_rng_is_per_worker_and_main_state_restored():
+    state = torch.get_rng_state()
+    draws = SimWorld(3, seed=1).run(lambda comm: torch.rand(2))
+    assert not torch.equal(draws[0], draws[1])
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_compute_model_stragglers_and_jitter_are_reproducible():
+    world = SimWorld(2, compute=ComputeModel(step_time=0.1, stragglers={1: 4.0}))
+
+    def fn(comm):
+        for _ in range(3):
+            comm.compute_step()
+        return comm.clock()
+
+    assert world.run(fn) == pytest.approx([0.3, 1.2])
+    assert world.report.steps == [3, 3]
+
+
+def test_dead_worker_named_after_timeout():
+    world = SimWorld(4, timeout=5.0, compute=ComputeModel(step_time=1.0))
+
+    def fn(comm):
+        t = torch.ones(3)
+        for step in range(3):
+            comm.compute_step()
+            if comm.rank == 1 and step == 2:
+                raise RuntimeError("worker 1 crashed")
+            comm.all_reduce(t)
+        return t
+
+    with pytest.raises(SimulationError) as info:
+        world.run(fn)
+    failures = info.value.failures
+    assert set(failures) == {0, 1, 2, 3}
+    for r in (0, 2, 3):
+        assert isinstance(failures[r], CommTimeoutError)
+        assert "rank 1" in str(failures[r]) and "all_reduce" in str(failures[r])
+        assert failures[r].peers == (1,)
+    # they gave up exactly one timeout after arriving
+    assert world.report.clocks[0] == pytest.approx(3.0 + 5.0, rel=1e-3)
+
+
+def test_mismatched_collectives_raise():
+    def fn(comm):
+        if comm.rank == 0:
+            comm.all_reduce(torch.ones(3))
+        else:
+            comm.all_reduce(torch.ones(4))
+
+    with pytest.raises(SimulationError) as info:
+        SimWorld(2, timeout=1.0).run(fn)
+    assert any(isinstance(e, CommError) for e in info.value.failures.values())
+
+
+def test_exchange_keeps_pairwise_order_and_copies_payload():
+    def fn(comm):
+        if comm.rank == 0:
+            t = torch.zeros(1)
+            handles = []
+            for i in range(3):
+                t.fill_(i)  # payload is copied at send: later writes don't leak
+                handles.append(comm.exchange({1: t}, []))
+            for h in handles:
+                h.wait()
+            return None
+        like = torch.zeros(1)
+        handles = [comm.exchange({}, [0], recv_like=like) for _ in range(3)]
+        return [h.wait()[0].item() for h in reversed(handles)]
+
+    assert SimWorld(2).run(fn)[1] == [2.0, 1.0, 0.0]
+
+
+def test_256_workers():
+    world = SimWorld(256, network=NetworkModel(latency=1e-5, bandwidth=1e9))
+
+    def fn(comm):
+        t = torch.full((64,), float(comm.rank))
+        comm.all_reduce(t, op="mean")
+        return t[0].item()
+
+    assert world.run(fn) == [pytest.approx(255 / 2)] * 256
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"latency": -1.0}, "latency"), ({"bandwidth": -5.0}, "bandwidth"),
+     ({"bandwidth": 0.0}, "bandwidth"), ({"link_bandwidth": {(0, 1): -1.0}}, "link_bandwidth")],
+)
+def test_bad_network_model(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        NetworkModel(**kwargs)
+
+
+def test_bad_world():
+    with pytest.raises(ValueError, match="world_size"):
+        SimWorld(0)
+    with pytest.raises(ValueError, match="step_time"):
+        ComputeModel(step_time=-1.0)
+    with pytest.raises(ValueError, match="stragglers"):
+        SimWorld(2, compute=ComputeModel(stragglers={5: 2.0}))
+    with pytest.raises(ValueError, match="timeout"):
+        SimWorld(2, timeout=0)
+
+
+def test_bad_exchange_arguments():
+    def fn(comm):
+        with pytest.raises(ValueError, match="sends"):
+            comm.exchange({comm.rank: torch.ones(1)}, [])
+        with pytest.raises(ValueError, match="recv_from"):
+            comm.exchange({}, [7], recv_like=torch.ones(1))
+        with pytest.raises(ValueError, match="recv_like"):
+            comm.exchange({}, [1 - comm.rank])
+        return True
+
+    assert SimWorld(2).run(fn) == [True, True]
+
+
+def test_cost_formulas_sum_to_ring_totals():
+    n, numel = 5, 1003
+    sent = sum(b for r in range(n) for _, b, _ in cost.ring_all_reduce_traffic(r, n, numel, 4))
+    assert sent == 2 * (n - 1) * numel * 4
+    sizes = [0, 4, 8, 12, 16]
+    gathered = sum(b for r in range(n) for _, b, _ in cost.ring_all_gather_traffic(r, n, sizes))
+    assert gathered == (n - 1) * sum(sizes)
+    tree = [b for r in range(n) for _, b, _ in cost.broadcast_traffic(r, n, 2, 100)]
+    assert sum(tree) == (n - 1) * 100
+    assert sorted(r for r in range(n) if cost.broadcast_sources(r, n, 2)) == [0, 1, 3, 4]
+    assert math.isclose(cost.barrier_rounds(n), 3)

@@ -1,0 +1,238 @@
+"""TorchCommunicator, P2PGroup and the launch environment, over real gloo processes.
+
+Spawning costs about 2 s per process (importing torch), so each world size runs all its checks
+in one spawned function that returns what it saw; the assertions are made here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from gossamer.comm.base import CommError
+from gossamer.comm.cost import ring_all_reduce_traffic
+from gossamer.comm.torch_comm import (
+    LaunchEnv,
+    TorchCommunicator,
+    expand_nodelist,
+    launch_env_from,
+)
+from gossamer.testing import spawn_gloo
+
+N = 1001  # not a multiple of any world size: the ring's chunks differ by one element
+
+
+def _values(tensors: list[torch.Tensor]) -> list[list[float]]:
+    return [t.flatten().tolist() for t in tensors]
+
+
+def _each_rank_holds_its_rank() -> dict:
+    """Every collective on a world where rank r contributes r; returns what this rank saw."""
+    comm = TorchCommunicator.from_env(timeout=60)
+    n, r = comm.world_size, comm.rank
+    seen: dict = {"rank": r}
+
+    t = torch.full((N,), float(r))
+    comm.all_reduce(t)
+    seen["sum"] = sorted(set(t.tolist()))
+    seen["stats_sent"] = dict(comm.stats.bytes_sent)
+    seen["stats_messages"] = dict(comm.stats.messages_sent)
+    seen["stats_received"] = dict(comm.stats.bytes_received)
+
+    m = torch.full((2, 3), float(r), dtype=torch.float64)
+    seen["mean"] = sorted(set(comm.all_reduce(m, op="mean").flatten().tolist()))
+    nc = torch.full((4, 3), float(r)).t()  # not contiguous: reduced through a copy
+    comm.all_reduce(nc)
+    seen["noncontig"] = sorted(set(nc.flatten().tolist()))
+
+    seen["gather_equal"] = _values(comm.all_gather(torch.tensor([r])))
+    count = r if n == 4 else r + 1  # with n = 4, rank 0 contributes nothing
+    pieces = comm.all_gather(torch.full((count, 2), r, dtype=torch.int32))
+    seen["gather_unequal"] = [(tuple(p.shape), p.flatten().tolist()) for p in pieces]
+
+    handle = comm.exchange({(r + 1) % n: torch.tensor([float(r)])}, [(r - 1) % n])
+    got = handle.wait()
+    seen["exchange"] = {peer: v.tolist() for peer, v in got.items()}
+    seen["exchange_idempotent"] = handle.wait() is got
+
+    seen["broadcast"] = comm.broadcast(torch.full((3,), float(r)), src=1).tolist()
+    comm.barrier()
+    seen["operations"] = dict(comm.stats.operations)
+
+    rev = comm.group(list(reversed(range(n))))
+    g = rev.rank
+    seen["rev_rank"] = g
+    rt = torch.full((N,), float(g))
+    rev.all_reduce(rt)
+    seen["rev_sum"] = sorted(set(rt.tolist()))
+    seen["rev_stats_sent"] = dict(rev.stats.bytes_sent)
+    seen["rev_mean"] = rev.all_reduce(torch.tensor([float(g), 1.0]), op="mean").tolist()
+    seen["rev_gather"] = _values(rev.all_gather(torch.tensor([g])))
+    pieces = rev.all_gather(torch.full((g,), g))  # group rank 0 contributes nothing
+    seen["rev_gather_unequal"] = [p.tolist() for p in pieces]
+    seen["rev_broadcast"] = rev.broadcast(torch.full((2, 2), float(g)), src=1).flatten().tolist()
+    rev.barrier()
+
+    if n >= 3:
+        if r in (0, 2):
+            sub = comm.group([0, 2])
+            seen["sub_sum"] = sub.all_reduce(torch.full((5,), float(r))).tolist()
+            seen["sub_gather"] = _values(sub.all_gather(torch.full((r + 1,), r)))
+            seen["sub_broadcast"] = sub.broadcast(torch.tensor([float(r)]), src=1).tolist()
+            sub.barrier()
+        else:
+            try:
+                comm.group([0, 2])
+            except ValueError as exc:
+                seen["sub_refused"] = str(exc)
+    comm.barrier()  # the subset's traffic is done before anyone closes
+    comm.close()
+    return seen
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_each_rank_holds_its_rank(n: int) -> None:
+    results = spawn_gloo(_each_rank_holds_its_rank, n, timeout=120)
+    total = float(sum(range(n)))
+    for r, seen in enumerate(results):
+        assert seen["rank"] == r
+        assert seen["sum"] == [total]
+        assert seen["mean"] == [total / n]
+        assert seen["noncontig"] == [total]
+        expected = ring_all_reduce_traffic(r, n, N, 4)
+        assert seen["stats_sent"] == {peer: nbytes for peer, nbytes, _ in expected}
+        assert seen["stats_messages"] == {peer: msgs for peer, _, msgs in expected}
+        pred = (r - 1) % n
+        assert seen["stats_received"] == {pred: ring_all_reduce_traffic(pred, n, N, 4)[0][1]}
+        assert seen["gather_equal"] == [[k] for k in range(n)]
+        counts = [k if n == 4 else k + 1 for k in range(n)]
+        assert seen["gather_unequal"] == [((c, 2), [k] * (2 * c)) for k, c in enumerate(counts)]
+        assert seen["exchange"] == {(r - 1) % n: [float((r - 1) % n)]}
+        assert seen["exchange_idempotent"]
+        assert seen["broadcast"] == [1.0] * 3
+        assert seen["operations"] == {"all_reduce": 3, "all_gather": 2, "exchange": 1,
+                                      "broadcast": 1, "barrier": 1}
+
+        g = seen["rev_rank"]
+        assert g == n - 1 - r
+        assert seen["rev_sum"] == [total]
+        assert seen["rev_stats_sent"] == {
+            peer: nbytes for peer, nbytes, _ in ring_all_reduce_traffic(g, n, N, 4)
+        }
+        assert seen["rev_mean"] == [total / n, 1.0]
+        assert seen["rev_gather"] == [[k] for k in range(n)]
+        assert seen["rev_gather_unequal"] == [[k] * k for k in range(n)]
+        assert seen["rev_broadcast"] == [1.0] * 4
+
+    if n >= 3:
+        for r in (0, 2):
+            assert results[r]["sub_sum"] == [2.0] * 5
+            assert results[r]["sub_gather"] == [[0], [2, 2, 2]]
+            assert results[r]["sub_broadcast"] == [2.0]
+        assert "ranks" in results[1]["sub_refused"]
+
+
+def _dies_before_third_all_reduce() -> dict | None:
+    """Rank 1 exits just before its 3rd all-reduce; the others report the error they got."""
+    comm = TorchCommunicator.from_env(timeout=10)
+    t = torch.ones(100)
+    for i in range(1, 4):
+        if comm.rank == 1 and i == 3:
+            os._exit(1)
+        start = time.monotonic()
+        try:
+            comm.all_reduce(t)
+        except CommError as exc:
+            elapsed = time.monotonic() - start
+            time.sleep(3)  # stay alive while the other survivor reads our heartbeat
+            return {"step": i, "message": str(exc), "peers": exc.peers, "elapsed": elapsed}
+    return None
+
+
+@pytest.mark.gloo
+def test_dead_worker_is_named() -> None:
+    results = spawn_gloo(_dies_before_third_all_reduce, 3, timeout=60, allow_exit={1})
+    assert results[1] is None
+    for r in (0, 2):
+        seen = results[r]
+        assert seen is not None, f"rank {r} got no error"
+        assert seen["step"] == 3
+        assert "all_reduce #3" in seen["message"]
+        assert "rank 1" in seen["message"], seen["message"]
+        assert 1 in seen["peers"]
+        assert seen["elapsed"] < 10 + 10
+
+
+def test_launch_env_torchrun() -> None:
+    env = launch_env_from({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                           "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "1234"})
+    assert env == LaunchEnv(rank=3, world_size=8, local_rank=1, master_addr="10.0.0.5",
+                            master_port=1234, source="torchrun")
+
+
+def test_launch_env_slurm() -> None:
+    env = launch_env_from({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_NODELIST": "gpu-[03-05],cpu7"})
+    assert env == LaunchEnv(rank=5, world_size=8, local_rank=1, master_addr="gpu-03",
+                            master_port=29500, source="slurm")
+    explicit = launch_env_from({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                "SLURM_NODELIST": "a1", "MASTER_ADDR": "head"})
+    assert explicit.master_addr == "head"
+    assert expand_nodelist("node[01-04,07],gpu2") == [
+        "node01", "node02", "node03", "node04", "node07", "gpu2"
+    ]
+    assert expand_nodelist("r[1-2]n[8-10]") == [
+        "r1n8", "r1n9", "r1n10", "r2n8", "r2n9", "r2n10"
+    ]
+    with pytest.raises(ValueError, match="SLURM_JOB_NODELIST"):
+        launch_env_from({"SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                         "SLURM_JOB_NODELIST": "node[01-"})
+
+
+def test_launch_env_mpi() -> None:
+    env = launch_env_from({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "MASTER_ADDR": "host0"})
+    assert env == LaunchEnv(rank=2, world_size=4, local_rank=0, master_addr="host0",
+                            master_port=29500, source="mpi")
+
+
+def test_launch_env_single() -> None:
+    assert launch_env_from({}) == LaunchEnv(rank=0, world_size=1, local_rank=0,
+                                            master_addr="127.0.0.1", master_port=29500,
+                                            source="single")
+
+
+@pytest.mark.parametrize(
+    ("environ", "variable"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE"),
+        ({"RANK": "5", "WORLD_SIZE": "4"}, "RANK"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK"),
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+        ({"SLURM_PROCID": "2", "SLURM_NTASKS": "2"}, "SLURM_PROCID"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "-1"}, "OMPI_COMM_WORLD_SIZE"),
+    ],
+)
+def test_launch_env_malformed(environ: dict[str, str], variable: str) -> None:
+    with pytest.raises(ValueError, match=variable):
+        launch_env_from(environ)
+
+
+def _nccl_all_reduce() -> list[float]:
+    comm = TorchCommunicator.from_env(backend="nccl", timeout=60)
+    t = torch.full((N,), 2.0, device=torch.device("cuda", torch.cuda.current_device()))
+    comm.all_reduce(t, op="mean")
+    values = sorted(set(t.cpu().tolist()))
+    comm.close()
+    return values
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_all_reduce() -> None:
+    assert spawn_gloo(_nccl_all_reduce, 1, timeout=120) == [[2.0]]
