@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from gossamer.comm.base import CommError
 from gossamer.comm.cost import ring_all_reduce_traffic
@@ -165,6 +166,51 @@ def test_dead_worker_is_named() -> None:
         assert "rank 1" in seen["message"], seen["message"]
         assert 1 in seen["peers"]
         assert seen["elapsed"] < 10 + 10
+
+
+def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no launcher variables: a world of one, in this process, every op a no-op."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    comm = TorchCommunicator.from_env(backend="gloo", timeout=30)
+    try:
+        assert (comm.rank, comm.world_size) == (0, 1)
+        t = torch.arange(6.0).reshape(2, 3)
+        assert torch.equal(comm.all_reduce(t.clone(), op="mean"), t)
+        assert torch.equal(comm.all_gather(t)[0], t)
+        assert torch.equal(comm.broadcast(t.clone()), t)
+        comm.barrier()
+        assert comm.exchange({}, []).wait() == {}
+        solo = comm.group([0])
+        assert torch.equal(solo.all_reduce(t.clone()), t)
+        assert torch.equal(solo.all_gather(t)[0], t)
+        assert comm.stats.total_bytes_sent == 0
+        with pytest.raises(ValueError, match="ranks"):
+            comm.group([0, 0])
+    finally:
+        comm.close()
+    assert not dist.is_initialized()
+
+
+def _fails_on_rank_1() -> int:
+    if int(os.environ["RANK"]) == 1:
+        raise ValueError("boom on purpose")
+    return 7
+
+
+def _never_returns() -> None:
+    time.sleep(600)
+
+
+@pytest.mark.gloo
+def test_spawn_reports_failures_and_timeouts() -> None:
+    with pytest.raises(RuntimeError, match="(?s)rank 1 raised.*ValueError: boom on purpose"):
+        spawn_gloo(_fails_on_rank_1, 2, timeout=60)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not report"):
+        spawn_gloo(_never_returns, 1, timeout=5)
+    assert time.monotonic() - start < 5 + 10  # the child was killed, not waited for
 
 
 def test_launch_env_torchrun() -> None:

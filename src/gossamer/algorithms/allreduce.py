@@ -76,11 +76,11 @@ class AllReduceRuntime(Runtime):
         self.buckets.gather(grads)
         for buffer in self.buckets.buffers:
             self.comm.all_reduce(buffer, op="mean")
-        for i, p in enumerate(self.params):
+        for p, averaged in zip(self.params, self.buckets.views, strict=True):
             if p.grad is None:
                 # Unused on this worker but maybe not on others: take the average anyway,
                 # so the replicas stay identical.
-                p.grad = self.buckets.views(i).clone()
+                p.grad = averaged.clone()
             else:
-                p.grad.copy_(self.buckets.views(i))
+                p.grad.copy_(averaged)
         self.synchronizations += 1

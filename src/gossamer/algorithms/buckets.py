@@ -51,17 +51,16 @@ class Buckets:
             torch.zeros(size, dtype=dtype, device=device)
             for size, (dtype, device) in zip(sizes, kinds, strict=True)
         ]
-
-    def views(self, index: int) -> torch.Tensor:
-        """The part of its bucket that holds tensor ``index``, shaped like the tensor."""
-        bucket, offset, numel = self.slots[index]
-        return self.buffers[bucket][offset : offset + numel].view(self.shapes[index])
+        #: per tensor, the part of its bucket that holds it, shaped like it
+        self.views = [
+            self.buffers[bucket][offset : offset + numel].view(shape)
+            for (bucket, offset, numel), shape in zip(self.slots, self.shapes, strict=True)
+        ]
 
     @torch.no_grad()
     def gather(self, tensors: Sequence[torch.Tensor | None]) -> None:
         """Copy ``tensors`` into the buckets (None counts as zeros)."""
-        for i, t in enumerate(tensors):
-            view = self.views(i)
+        for view, t in zip(self.views, tensors, strict=True):
             if t is None:
                 view.zero_()
             else:
@@ -70,5 +69,5 @@ class Buckets:
     @torch.no_grad()
     def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the buckets back into ``tensors``."""
-        for i, t in enumerate(tensors):
-            t.copy_(self.views(i))
+        for view, t in zip(self.views, tensors, strict=True):
+            t.copy_(view)

@@ -20,19 +20,24 @@ Traffic = list[tuple[int, int, int]]
 
 def chunk_sizes(numel: int, parts: int) -> list[int]:
     """Split ``numel`` elements into ``parts`` chunks as evenly as possible (first ones larger)."""
+    return [chunk_size(numel, parts, i) for i in range(parts)]
+
+
+def chunk_size(numel: int, parts: int, index: int) -> int:
+    """The size of chunk ``index`` of :func:`chunk_sizes`."""
     base, extra = divmod(numel, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    return base + (1 if index < extra else 0)
 
 
 def ring_all_reduce_traffic(rank: int, n: int, numel: int, element_size: int) -> Traffic:
     """Bytes ``rank`` sends to its ring successor: reduce-scatter then all-gather."""
     if n == 1:
         return []
-    chunks = chunk_sizes(numel, n)
-    total = sum(chunks)
     # Reduce-scatter sends every chunk but the successor's; all-gather every chunk but the
     # one two places ahead.
-    elements = 2 * total - chunks[(rank + 1) % n] - chunks[(rank + 2) % n]
+    elements = 2 * numel - chunk_size(numel, n, (rank + 1) % n) - chunk_size(
+        numel, n, (rank + 2) % n
+    )
     return [((rank + 1) % n, elements * element_size, 2 * (n - 1))]
 
 

@@ -53,6 +53,7 @@ DEFAULT_MASTER_PORT = 29500
 HEARTBEAT_INTERVAL = 0.5  # seconds between beats
 _DIAGNOSE_GAP = 1.5  # seconds between the two reads of the peers' beats (three beats)
 _STORE_READ_TIMEOUT = 5.0  # a diagnosis must not hang on a store that does not answer
+_CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to close
 
 # --------------------------------------------------------------------------------------------
 # Launch environment
@@ -243,8 +244,10 @@ class _Heartbeat:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
             try:
                 self._beat()
-            except Exception:  # noqa: BLE001 - the store went away (job ending): keep quiet
-                pass
+            except Exception:  # noqa: BLE001
+                # The store's host is gone (the job is ending, or it died): a TCPStore client
+                # does not reconnect, and each failed write logs a C++ warning, so stop here.
+                return
 
     def read(self, global_rank: int) -> tuple[int, int, str] | None:
         """A peer's last beat ``(counter, op_seq, op_label)``, or None if it never beat."""
@@ -254,9 +257,20 @@ class _Heartbeat:
         counter, seq, label = self._reader.get(key).decode().split(":", 2)
         return int(counter), int(seq), label
 
-    def stop(self) -> None:
+    def stop(self, world_size: int, wait_for_all: bool) -> None:
+        """Stop beating and count this rank as closed; the store's host waits (briefly) for
+        everyone to stop, since beats that hit a vanished store spam C++ warnings."""
         self._stop.set()
         self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
+        key = f"{self.prefix}/closed"
+        try:
+            closed = self._reader.add(key, 1)
+            end = time.monotonic() + _CLOSE_WAIT
+            while wait_for_all and closed < world_size and time.monotonic() < end:
+                time.sleep(0.05)
+                closed = self._reader.add(key, 0)
+        except Exception:  # noqa: BLE001 - the store is gone already: nothing to wait for
+            pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,9 +355,10 @@ class TorchCommunicator:
         self._t0 = time.perf_counter()
         self._seq = 0  # collectives started: every member runs the same sequence
         self._exchanges = 0
-        self._label = "start"
+        self._label = "no operation yet"
         self._store = store  # kept alive with the communicator
         self._owns_group = False
+        self._store_host: int | None = None  # global rank hosting the store, when known
         if store_addr is None and isinstance(store, dist.TCPStore):
             store_addr = (store.host, store.port)
         self._heartbeat: _Heartbeat | None = None
@@ -403,6 +418,7 @@ class TorchCommunicator:
             dist.destroy_process_group()
             raise
         comm._owns_group = True
+        comm._store_host = None if agent_store else 0
         return comm
 
     # -- properties ------------------------------------------------------------------------
@@ -573,7 +589,8 @@ class TorchCommunicator:
     def close(self) -> None:
         """Stop the heartbeat; destroy the process group if :meth:`from_env` created it."""
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            hosting = self._store_host == self._global_ranks[self._rank]
+            self._heartbeat.stop(len(self._global_ranks), wait_for_all=hosting)
             self._heartbeat = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -633,7 +650,11 @@ class TorchCommunicator:
         return cls(message, op=label, peers=suspects)
 
     def _diagnose(self, label: str, peers: list[int], seq: int | None) -> tuple[str, list[int]]:
-        """Name the peers that stopped (or lag), from two reads of their heartbeats."""
+        """Name the peers that stopped (or lag), from two reads of their heartbeats.
+
+        ``seq`` is the collective's number (every member runs the same sequence of them); for
+        an exchange it is None, and a live peer that is not itself exchanging is the suspect.
+        """
         names = ", ".join(f"rank {p}" for p in peers)
         if self._heartbeat is None:
             return f"no heartbeat store to tell which peer failed; suspects: {names}", peers
@@ -643,30 +664,46 @@ class TorchCommunicator:
             time.sleep(_DIAGNOSE_GAP)
             second = {p: hb.read(self._global_ranks[p]) for p in peers}
         except Exception as exc:  # noqa: BLE001 - any store failure means the same here
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return (
-                f"the heartbeat store at {hb.host}:{hb.port} is unreachable ({reason}), so its "
-                f"host (rank 0 unless an agent hosts it) may be down; suspects: {names}",
-                peers,
-            )
-        parts, suspects = [], []
+            text = str(exc).strip()
+            reason = text.splitlines()[0] if text else type(exc).__name__
+            host = self._store_host_rank()
+            if host is not None:
+                peers = [host] + [p for p in peers if p != host]
+                where = f"its host, rank {host}, has probably died"
+            else:
+                where = "its host may be down"
+            names = ", ".join(f"rank {p}" for p in peers)
+            return (f"the heartbeat store at {hb.host}:{hb.port} is unreachable ({reason}): "
+                    f"{where}; suspects: {names}", peers)
+        parts, suspects, bystanders = [], [], []
         for p in peers:
             before, after = first[p], second[p]
             if after is None:
-                parts.append(f"rank {p} stopped responding (no heartbeat)")
+                parts.append(f"rank {p} stopped responding (it never sent a heartbeat)")
             elif before is not None and after[0] <= before[0]:
-                parts.append(f"rank {p} stopped responding (last seen in {after[2]})")
+                parts.append(f"rank {p} stopped responding (its latest operation: {after[2]})")
             elif seq is not None and after[1] < seq:
-                parts.append(f"rank {p} is alive but has not reached {label} (it is in "
+                parts.append(f"rank {p} is alive but has not reached {label} (its latest "
+                             f"operation: {after[2]})")
+            elif seq is None and not after[2].startswith("exchange"):
+                parts.append(f"rank {p} is alive but not exchanging (its latest operation: "
                              f"{after[2]})")
-            elif seq is None:
-                parts.append(f"rank {p} is alive (in {after[2]})")
             else:
+                bystanders.append(p)
                 continue
             suspects.append(p)
-        if not parts:
+        if not suspects:
             return f"every peer ({names}) is alive and reached it", peers
+        if bystanders:
+            verb = "is" if len(bystanders) == 1 else "are"
+            parts.append(", ".join(f"rank {p}" for p in bystanders) + f" {verb} alive and in it")
         return "; ".join(parts), suspects
+
+    def _store_host_rank(self) -> int | None:
+        """This communicator's rank of the process hosting the store, if one of them does."""
+        if self._store_host is None or self._store_host not in self._global_ranks:
+            return None
+        return self._global_ranks.index(self._store_host)
 
     def _record_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic,
                            mirror: bool = True) -> None:
