@@ -286,3 +286,34 @@ def test_cost_formulas_sum_to_ring_totals():
     assert sum(tree) == (n - 1) * 100
     assert sorted(r for r in range(n) if cost.broadcast_sources(r, n, 2)) == [0, 1, 3, 4]
     assert math.isclose(cost.barrier_rounds(n), 3)
+
+
+def test_hung_worker_is_named_after_real_timeout():
+    import time
+
+    def fn(comm):
+        if comm.rank == 1:
+            while True:  # computes forever, never communicates
+                time.sleep(0.01)
+        comm.all_reduce(torch.ones(1))
+
+    world = SimWorld(3, real_timeout=0.5, timeout=10.0)
+    start = time.monotonic()
+    with pytest.raises(SimulationError) as info:
+        world.run(fn)
+    assert time.monotonic() - start < 10
+    failures = info.value.failures
+    assert "real_timeout" in str(failures[1]) and "rank 1" in str(failures[1])
+    assert isinstance(failures[0], CommTimeoutError) and failures[0].peers == (1,)
+
+
+def test_grad_mode_is_per_worker():
+    def fn(comm):
+        if comm.rank == 0:
+            with torch.no_grad():
+                comm.barrier()  # rank 1 runs meanwhile, with grad enabled
+                return torch.is_grad_enabled()
+        comm.barrier()
+        return torch.is_grad_enabled()
+
+    assert SimWorld(2).run(fn) == [False, True]

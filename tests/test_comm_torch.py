@@ -168,6 +168,7 @@ def test_dead_worker_is_named() -> None:
         assert seen["elapsed"] < 10 + 10
 
 
+@pytest.mark.gloo
 def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no launcher variables: a world of one, in this process, every op a no-op."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",

@@ -47,6 +47,8 @@ def _child(
         LOCAL_RANK=str(rank),
         OMP_NUM_THREADS="1",
     )
+    # Each child is its own job: an outer torchrun's agent store must not be used.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     # Imported here so that importing gossamer.testing stays cheap for the parent.
     import torch
     import torch.distributed as dist

@@ -61,7 +61,8 @@ class P2PGroup:
     Member ``ranks[i]`` of the parent is rank ``i`` here. Construct it on the members only
     (others get a ValueError), all with the same ``ranks``. Its ``stats`` count in group ranks,
     as cost.py counts the collectives; the parent's stats also see the traffic, in its ranks,
-    since everything goes through ``parent.exchange``.
+    since everything goes through ``parent.exchange``. Each step of a collective is bounded
+    by the parent's timeout, and a parent's CommError comes back naming the group operation.
     """
 
     def __init__(self, parent: Communicator, ranks: Sequence[int]) -> None:
