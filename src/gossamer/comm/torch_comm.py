@@ -18,6 +18,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -387,6 +388,13 @@ class TorchCommunicator:
         if dist.is_initialized():
             return cls(timeout=timeout)
         env = launch_env_from(os.environ)
+        if bind_all:
+            warnings.warn(
+                "bind_all=True: the rendezvous store listens on every interface, and "
+                "torch.distributed has no authentication: anyone who can reach "
+                f"port {env.master_port} can join or disturb the job",
+                stacklevel=2,
+            )
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
