@@ -342,12 +342,6 @@ class SimWorld:
             error, w.wake_error = w.wake_error, None
             raise error
 
-    def _sync(self, w: _Worker) -> None:
-        """Let every worker that is earlier in virtual time act first."""
-        heapq.heappush(self._ready, (w.clock, w.rank))
-        w.state = _READY
-        self._yield(w)
-
     def _block(self, w: _Worker, wait: _Wait) -> None:
         """Block ``w`` until woken or until its timeout."""
         w.state = _BLOCKED
@@ -447,8 +441,8 @@ class SimWorld:
             or pending.abandoned_at is not None
             or pending.last > pending.first + self.timeout  # someone gave up first
         ):
-            missing = tuple(m for m in members if m not in pending.arrivals)
-            self._block(w, _CollectiveWait(name, missing, arrival, pending=pending))
+            # who is missing is worked out only if it times out (_fire_timeout)
+            self._block(w, _CollectiveWait(name, (), arrival, pending=pending))
             return pending.results.pop(w.rank, None)
         del self._pending[key]
         end, results = finish(pending)
@@ -464,7 +458,7 @@ class SimWorld:
 
     # ------------------------------------------------------------------ point to point
     def _send(self, w: _Worker, dst: int, tensor: torch.Tensor) -> float:
-        """Queue a message on ``w``'s NIC ; returns when the NIC is done with it."""
+        """Queue a message on ``w``'s NIC; returns when the NIC is done with it."""
         nbytes = tensor_nbytes(tensor)
         start = max(w.clock, w.nic_free)
         w.nic_free = start + self.network.transfer_time(w.rank, dst, nbytes)
