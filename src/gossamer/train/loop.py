@@ -2,88 +2,58 @@
 
 Reads top to bottom: build the model (same seed on every worker), wrap the optimizer with the
 algorithm, draw minibatches from this worker's shard, step, and every ``eval_every`` steps
-evaluate the average of the replicas on the test set. Traffic and virtual time spent only to
-evaluate are not counted as the algorithm's.
+measure: evaluate the average of the replicas and each replica, the consensus distance, the
+bytes sent. Traffic and virtual time spent only to measure or checkpoint are not counted as the
+algorithm's.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gossamer.algorithms import average_tensors, create, model_tensors
+from gossamer.algorithms import create, model_tensors
+from gossamer.algorithms.buckets import Buckets
 from gossamer.api import distribute
 from gossamer.comm.base import Communicator
-from gossamer.train.data import Dataset, ShardSampler, load_dataset, partition_iid
+from gossamer.train import checkpoint as ckpt
+from gossamer.train.config import TrainConfig, learning_rate
+from gossamer.train.data import (
+    Dataset,
+    ShardSampler,
+    describe_partition,
+    load_dataset,
+    partition,
+)
 from gossamer.train.models import build_model
 
+__all__ = ["TrainConfig", "evaluate", "run_training", "train_worker"]
 
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything that defines a training run (see ``gossamer train --help``)."""
-
-    algorithm: str = "allreduce"  # a registered name: `gossamer algorithms` lists them
-    options: Mapping[str, Any] = field(default_factory=dict)  # the algorithm's options
-    dataset: str = "digits"  # embedded, needs no download
-    model: str = "mlp"
-    steps: int = 300  # optimizer steps per worker; ~20 epochs of digits with 4 workers
-    batch_size: int = 32  # per worker; the global batch is world_size times larger
-    lr: float = 0.05  # SGD learning rate, constant
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    seed: int = 0  # model init, data split and sampling
-    eval_every: int = 50  # steps between evaluations of the averaged model (0: only at the end)
-    sim: int = 0  # simulated workers; 0: real processes from the launcher environment
-    latency: float = 50e-6  # simulator: seconds per message
-    bandwidth: float = 125e6  # simulator: bytes per second per link (1 Gbit/s)
-    compute_time: float = 0.01  # simulator: seconds of compute per step
-    quiet: bool = False  # no progress bar, summary only
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("eval_every", "sim", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        from gossamer.comm.network import check_positive
-
-        check_positive("latency", self.latency, allow_zero=True)
-        check_positive("bandwidth", self.bandwidth, allow_zero=False)
-        check_positive("compute_time", self.compute_time, allow_zero=True)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["options"] = dict(self.options)
-        return d
+DEFAULT_MODELS = {"digits": "mlp", "mnist": "cnn", "fashion-mnist": "cnn", "cifar10": "resnet20",
+                  "text": "transformer"}
+EVAL_BATCH = 1024  # examples per forward pass when evaluating: bounds memory on big test sets
 
 
 class Progress:
     """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, start: int = 0) -> None:
         self.total = total
         self.enabled = enabled
         self.tty = sys.stderr.isatty()
-        self.last_decile = -1
+        self.last_decile = 10 * start // total
         self.started = time.perf_counter()
 
     def update(self, step: int, **fields: str) -> None:
@@ -106,97 +76,278 @@ class Progress:
         sys.stderr.flush()
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) of ``model`` on ``(x, y)``."""
-    was_training = model.training
-    model.eval()
-    logits = model(x)
-    loss = F.cross_entropy(logits, y).item()
-    accuracy = (logits.argmax(dim=1) == y).float().mean().item()
-    model.train(was_training)
-    return loss, accuracy
-
-
 def format_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError
+    return f"{n:.1f} TB"
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; for sequence models over every position."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits, y)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of ``model`` on ``(x, y)``, in chunks."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, count = 0.0, 0.0, 0
+    for start in range(0, len(y), EVAL_BATCH):
+        xb, yb = x[start : start + EVAL_BATCH], y[start : start + EVAL_BATCH]
+        logits = model(xb)
+        weight = yb.numel()
+        total_loss += loss_fn(logits, yb).item() * weight
+        correct += (logits.argmax(dim=-1) == yb).sum().item()
+        count += weight
+    model.train(was_training)
+    return total_loss / count, correct / count
+
+
+class _Metrics:
+    """Rank 0's records: kept in memory, appended to metrics.jsonl, optionally TensorBoard."""
+
+    def __init__(self, config: TrainConfig, enabled: bool, resume_step: int) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.file = None
+        self.tensorboard = None
+        if not enabled or not config.run_dir:
+            return
+        path = Path(config.run_dir) / "metrics.jsonl"
+        if resume_step:  # drop what the interrupted run recorded after its checkpoint
+            kept = [line for line in _read_lines(path)
+                    if json.loads(line).get("step", 0) <= resume_step
+                    and json.loads(line).get("kind") != "summary"]
+            path.write_text("".join(line + "\n" for line in kept))
+        else:
+            path.write_text("")
+        self.file = path.open("a")
+        if config.tensorboard:
+            from gossamer.train.report import TensorBoardLogger
+
+            self.tensorboard = TensorBoardLogger(Path(config.run_dir) / "tensorboard")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            os.fsync(self.file.fileno())
+            self.file.close()
+
+
+def _read_lines(path: Path) -> list[str]:
+    lines = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            lines.append(line)
+    return lines
+
+
+def _to_safe(obj: Any) -> Any:
+    """numpy arrays become tensors, so that a checkpoint loads with weights_only."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, dict):
+        return {k: _to_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_safe(v) for v in obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                 weight_decay=config.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                           nesterov=config.nesterov, weight_decay=config.weight_decay)
+
+
+def resolve_model(config: TrainConfig) -> str:
+    return DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
 
 
 def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> dict[str, Any]:
     """Train this worker's replica; rank 0's result carries the run's metrics."""
     torch.manual_seed(config.seed)  # the same initial model on every worker
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=config.momentum,
-        weight_decay=config.weight_decay,
-    )
-    optimizer = distribute(model, optimizer, create(config.algorithm, config.options), comm)
+    model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
+    optimizer = distribute(model, make_optimizer(config, model),
+                           create(config.algorithm, config.options), comm)
     runtime = optimizer.runtime
-    shards = partition_iid(len(dataset.y_train), comm.world_size, config.seed)
-    sampler = ShardSampler(
-        shards[comm.rank], config.batch_size, seed=config.seed * 7919 + comm.rank
-    )
-    progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet)
+    shards = partition(dataset.y_train.numpy(), comm.world_size, scheme=config.partition,
+                       alpha=config.alpha, seed=config.seed)
+    sampler = ShardSampler(shards[comm.rank], config.batch_size,
+                           seed=config.seed * 7919 + comm.rank)
+    # Traffic and time spent only to measure or checkpoint, not by the algorithm.
+    excluded = {"bytes": 0, "messages": 0, "time": 0.0}
+    offsets = {"bytes": 0, "messages": 0, "time": 0.0}  # carried over from before a resume
+    start = 0
+    if config.resume:
+        start, shard, shared = ckpt.load_checkpoint(config.run_dir, comm.rank, comm.world_size)
+        state = shared if shared is not None else shard
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"] if shared is None else {
+            "optimizer": shared["optimizer"]["optimizer"],
+            "algorithm": shard["algorithm"],
+        })
+        sampler.load_state_dict(shard["sampler"])
+        torch.set_rng_state(shard["rng"])
+        offsets = dict(shard["offsets"])
+        # the set-up broadcast was counted before the checkpoint already
+        excluded = {"bytes": comm.stats.total_bytes_sent,
+                    "messages": comm.stats.total_messages_sent, "time": comm.clock()}
+    metrics = _Metrics(config, enabled=comm.rank == 0, resume_step=start)
+    progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet, start=start)
+    params = [p for p in model.parameters()]
+    examples_per_step = config.batch_size * config.accumulation * comm.world_size
 
-    excluded_bytes = 0  # sent only to evaluate, not by the algorithm
-    excluded_time = 0.0
-    history: list[dict[str, Any]] = []
-    loss_sum, loss_count = 0.0, 0
-    eval_loss, eval_acc = float("nan"), float("nan")
-    for step in range(1, config.steps + 1):
-        batch = sampler.next_batch()
+    def counters() -> tuple[float, float, float]:
+        """(bytes, messages, seconds) of the algorithm so far, on this worker."""
+        return (offsets["bytes"] + comm.stats.total_bytes_sent - excluded["bytes"],
+                offsets["messages"] + comm.stats.total_messages_sent - excluded["messages"],
+                offsets["time"] + comm.clock() - excluded["time"])
+
+    def excluding(fn, *args):
+        """Run a collective ``fn`` without counting its traffic or time as the algorithm's."""
+        b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
+        out = fn(*args)
+        excluded["bytes"] += comm.stats.total_bytes_sent - b
+        excluded["messages"] += comm.stats.total_messages_sent - m
+        excluded["time"] += comm.clock() - t
+        return out
+
+    window_loss, window_count = 0.0, 0
+    last: dict[str, Any] = {}
+    for step in range(start, config.steps):
+        lr = learning_rate(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(dataset.x_train[batch]), dataset.y_train[batch])
-        loss.backward()
+        step_loss = 0.0
+        for _ in range(config.accumulation):
+            batch = sampler.next_batch()
+            loss = loss_fn(model(dataset.x_train[batch]), dataset.y_train[batch])
+            (loss / config.accumulation).backward()
+            step_loss += loss.item() / config.accumulation
         optimizer.step()
-        loss_sum, loss_count = loss_sum + loss.item(), loss_count + 1
-
-        if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-            bytes_before, clock_before = comm.stats.total_bytes_sent, comm.clock()
-            if runtime.replicas_identical:
-                averaged = model
-            else:
-                averaged = copy.deepcopy(model)
-                average_tensors(comm, model_tensors(averaged))
-            excluded_bytes += comm.stats.total_bytes_sent - bytes_before
-            excluded_time += comm.clock() - clock_before
+        done = step + 1
+        window_loss, window_count = window_loss + step_loss, window_count + 1
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"rank {comm.rank}: the loss became {step_loss} at step "
+                                     f"{done}; lower the learning rate")
+        if comm.rank == 0 and done % config.log_every == 0:
+            sent, _, clock = counters()
+            metrics.write({"kind": "train", "step": done, "train_loss": step_loss, "lr": lr,
+                           "bytes_sent": sent, "wall_clock": clock})
+        if done == config.steps or (config.eval_every and done % config.eval_every == 0):
+            last = excluding(_measure, comm, config, dataset, model, params, runtime,
+                             window_loss / window_count, counters(), examples_per_step, done)
+            window_loss, window_count = 0.0, 0
             if comm.rank == 0:
-                eval_loss, eval_acc = evaluate(averaged, dataset.x_test, dataset.y_test)
-                history.append({
-                    "step": step,
-                    "train_loss": loss_sum / loss_count,
-                    "eval_loss": eval_loss,
-                    "eval_accuracy": eval_acc,
-                    "bytes_sent": comm.stats.total_bytes_sent - excluded_bytes,
-                    "wall_clock": comm.clock() - excluded_time,
-                })
-            loss_sum, loss_count = 0.0, 0
-        progress.update(
-            step,
-            loss=f"{loss.item():.3f}",
-            acc=f"{100 * eval_acc:.1f}%" if eval_acc == eval_acc else "-",
-            sent=format_bytes(comm.stats.total_bytes_sent - excluded_bytes),
-        )
+                metrics.write(last)
+        if config.checkpoint_every and (done % config.checkpoint_every == 0
+                                        or done == config.steps):
+            excluding(_save, comm, config, model, optimizer, runtime, sampler, done, counters())
+        if comm.rank == 0:
+            acc = last.get("eval_accuracy", float("nan"))
+            progress.update(
+                done, loss=f"{step_loss:.3f}",
+                acc=f"{100 * acc:.1f}%" if acc == acc else "-",
+                sent=format_bytes(counters()[0]),
+            )
+    summary = {**last, "kind": "summary", "algorithm": config.algorithm,
+               "world_size": comm.world_size, "rank": comm.rank}
+    if comm.rank == 0:
+        metrics.write({k: v for k, v in summary.items() if k != "rank"})
+        metrics.close()
+        if config.run_dir:  # the records from before a resume too
+            lines = _read_lines(Path(config.run_dir) / "metrics.jsonl")
+            summary["history"] = [r for r in map(json.loads, lines) if r.get("kind") == "eval"]
+        else:
+            summary["history"] = [r for r in metrics.records if r.get("kind") == "eval"]
+    return summary
 
-    wall_clock = comm.clock() - excluded_time
-    sent = float(comm.stats.total_bytes_sent - excluded_bytes)
-    # The mean over workers of bytes sent and of wall-clock (one tiny all-reduce, not counted).
-    totals = torch.tensor([sent, wall_clock], dtype=torch.float64)
-    comm.all_reduce(totals, op="mean")
+
+def _measure(
+    comm: Communicator, config: TrainConfig, dataset: Dataset, model: nn.Module,
+    params: list[torch.Tensor], runtime: Any, train_loss: float,
+    counters: tuple[float, float, float], examples_per_step: int, step: int,
+) -> dict[str, Any]:
+    """Collective: evaluate the averaged model and each replica, and the consensus distance."""
+    with torch.no_grad():
+        tensors = model_tensors(model)  # parameters first, then float buffers
+        buckets = Buckets(tensors, bucket_bytes=None)
+        buckets.gather(tensors)
+        for b in buckets.buffers:
+            comm.all_reduce(b, op="mean")
+        # consensus distance over parameters only: mean over workers of ||x_i - mean||^2
+        n_params = len(params)
+        own_sq = sum(float((t - a).pow(2).sum()) for t, a in zip(
+            tensors[:n_params], buckets.views[:n_params], strict=True))
+        if runtime.replicas_identical:
+            averaged = model
+        else:
+            averaged = copy.deepcopy(model)
+            buckets.scatter(model_tensors(averaged))
+        if config.eval_workers:
+            own_loss, own_acc = evaluate(model, dataset.x_test, dataset.y_test)
+        else:
+            own_loss, own_acc = float("nan"), float("nan")
+        sent, messages, clock = counters
+        scalars = torch.tensor([own_sq, train_loss, sent, messages, clock], dtype=torch.float64)
+        comm.all_reduce(scalars, op="mean")
+        per_worker = comm.all_gather(torch.tensor([own_loss, own_acc], dtype=torch.float64))
+        if comm.rank != 0:
+            return {}
+        eval_loss, eval_acc = evaluate(averaged, dataset.x_test, dataset.y_test)
+    consensus, mean_loss, mean_sent, mean_messages, mean_clock = scalars.tolist()
     return {
-        "rank": comm.rank,
-        "history": history,
+        "kind": "eval",
+        "step": step,
+        "train_loss": mean_loss,
         "eval_loss": eval_loss,
         "eval_accuracy": eval_acc,
-        "bytes_sent_per_worker": totals[0].item(),
-        "wall_clock": wall_clock,
+        "worker_eval_loss": [float(t[0]) for t in per_worker],
+        "worker_eval_accuracy": [float(t[1]) for t in per_worker],
+        "consensus_distance": consensus,
+        "bytes_sent": mean_sent,
+        "messages_sent": mean_messages,
         "synchronizations": runtime.synchronizations,
-        "steps": config.steps,
+        "wall_clock": mean_clock,
+        "examples_per_second": examples_per_step * step / mean_clock if mean_clock > 0
+        else float("nan"),
+        "lr": learning_rate(config, step - 1),
     }
+
+
+def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
+    sent, messages, clock = counters
+    shard = {
+        "algorithm": runtime.state_dict(),
+        "sampler": _to_safe(sampler.state_dict()),
+        "rng": torch.get_rng_state(),
+        "offsets": {"bytes": sent, "messages": messages, "time": clock},
+    }
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if runtime.replicas_identical:
+        ckpt.save_checkpoint(comm, config.run_dir, step, shard, shared=state)
+    else:
+        ckpt.save_checkpoint(comm, config.run_dir, step, {**shard, **state})
 
 
 def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
@@ -205,17 +356,56 @@ def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
     return any(k in env for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
 
 
+def prepare(config: TrainConfig) -> Dataset:
+    """Check everything that can be checked before any worker starts; load the data."""
+    create(config.algorithm, config.options)  # bad names and options fail here
+    options = {"block_size": config.block_size} if config.dataset == "text" else {}
+    dataset = load_dataset(config.dataset, seed=config.seed, path=config.data_path, **options)
+    build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
+    return dataset
+
+
+def check_shards(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
+    """Every worker's shard must hold at least one minibatch."""
+    shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
+                       alpha=config.alpha, seed=config.seed)
+    smallest = min(len(s) for s in shards)
+    if config.batch_size > smallest:
+        raise ValueError(
+            f"batch_size={config.batch_size} is larger than this worker's shard of {smallest} "
+            f"examples ({len(dataset.y_train)} training examples over {world_size} workers)"
+        )
+
+
+def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
+    import yaml
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = {**config.as_dict(), "model": resolve_model(config), "world_size": world_size}
+    ckpt.atomic_write_bytes(run_dir / "config.yaml",
+                            yaml.safe_dump(resolved, sort_keys=False).encode())
+    shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
+                       alpha=config.alpha, seed=config.seed)
+    split = describe_partition(shards, dataset.y_train.numpy(), dataset.num_classes)
+    ckpt.atomic_write_bytes(run_dir / "partition.json", json.dumps(split).encode())
+
+
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in the simulator (``sim > 0``) or in this process of a launched job.
 
-    Returns rank 0's result (other ranks of a launched job return their own) with
-    ``world_size``, ``mode`` and ``examples_per_second`` added.
+    Returns this process's summary (rank 0's in the simulator), with ``mode``,
+    ``world_size`` and ``history`` (rank 0's eval records) added.
     """
-    create(config.algorithm, config.options)  # bad names and options fail before any worker
-    dataset = load_dataset(config.dataset, seed=config.seed)
+    dataset = prepare(config)
+    if config.resume and ckpt.latest_checkpoint(config.run_dir) is None:
+        raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
     if config.sim > 0:
         from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 
+        check_shards(config, dataset, config.sim)
+        if config.run_dir and not config.resume:
+            _write_run_dir(config, dataset, config.sim)
         world = SimWorld(
             config.sim,
             network=NetworkModel(latency=config.latency, bandwidth=config.bandwidth),
@@ -224,20 +414,18 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         )
         result = world.run(train_worker, config, dataset)[0]
         result["mode"] = "simulated"
-        world_size = config.sim
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
         comm = TorchCommunicator.from_env()
         try:
+            check_shards(config, dataset, comm.world_size)
+            if config.run_dir and not config.resume:
+                if comm.rank == 0:
+                    _write_run_dir(config, dataset, comm.world_size)
+                comm.barrier()
             result = train_worker(comm, config, dataset)
         finally:
             comm.close()
         result["mode"] = "torch.distributed"
-        world_size = comm.world_size
-    result["world_size"] = world_size
-    result["examples_per_second"] = (
-        config.steps * config.batch_size * world_size / result["wall_clock"]
-        if result["wall_clock"] > 0 else float("nan")
-    )
     return result

@@ -1,0 +1,248 @@
+"""The training front end: config and recipes, metrics, checkpoints and resume, compare."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import gossamer.train.loop as loop
+from gossamer.cli import main
+from gossamer.train import checkpoint as ckpt
+from gossamer.train.config import TrainConfig, learning_rate, load_recipe
+from gossamer.train.loop import run_training
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def small(tmp_path: Path | None = None, **changes) -> TrainConfig:
+    settings = dict(sim=2, steps=30, eval_every=10, quiet=True)
+    if tmp_path is not None:
+        settings["run_dir"] = str(tmp_path)
+    settings.update(changes)
+    return TrainConfig(**settings)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_dir_holds_config_metrics_partition(tmp_path):
+    result = run_training(small(tmp_path, log_every=5))
+    records = read_metrics(tmp_path)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20, 30]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [5, 10, 15, 20, 25, 30]
+    assert records[-1]["kind"] == "summary"
+    last = evals[-1]
+    for key in ("train_loss", "eval_loss", "eval_accuracy", "consensus_distance", "bytes_sent",
+                "messages_sent", "synchronizations", "wall_clock", "examples_per_second"):
+        assert math.isfinite(last[key]), key
+    assert len(last["worker_eval_accuracy"]) == 2
+    # AllReduce keeps the replicas equal: each worker scores like the average
+    assert last["worker_eval_accuracy"] == [last["eval_accuracy"]] * 2
+    assert last["consensus_distance"] == 0.0
+    assert last["synchronizations"] == 30
+    # bytes grow with steps; evaluation traffic is not counted
+    assert evals[0]["bytes_sent"] < evals[1]["bytes_sent"] < evals[2]["bytes_sent"]
+    assert result["history"] == evals
+    import yaml
+
+    config = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert config["model"] == "mlp" and config["world_size"] == 2
+    split = json.loads((tmp_path / "partition.json").read_text())
+    assert json.dumps(split)  # recorded, JSON
+
+
+def test_bytes_match_ring_all_reduce_formula():
+    result = run_training(small(eval_every=0, steps=10))
+    params = sum(p.numel() for p in loop.build_model("mlp", (64,), 10).parameters())
+    # 10 steps of one all-reduce of all gradients (2 workers: each sends the whole buffer)
+    # plus the initial broadcast of the parameters from rank 0 (counted on rank 0 only).
+    per_step = params * 4
+    assert result["bytes_sent"] == pytest.approx(10 * per_step + params * 4 / 2)
+
+
+def test_schedules():
+    cfg = TrainConfig(lr=1.0, steps=100, warmup_steps=10, schedule="cosine", min_lr=0.1)
+    assert learning_rate(cfg, 0) == pytest.approx(0.1)
+    assert learning_rate(cfg, 9) == pytest.approx(1.0)
+    assert learning_rate(cfg, 10) == pytest.approx(1.0)
+    assert learning_rate(cfg, 55) == pytest.approx(0.55)
+    assert learning_rate(cfg, 100) == pytest.approx(0.1)
+    step = TrainConfig(lr=1.0, schedule="step", milestones=(5, 8), gamma=0.5)
+    assert [learning_rate(step, s) for s in (0, 4, 5, 7, 8, 20)] == [1, 1, .5, .5, .25, .25]
+
+
+def test_adamw_nesterov_and_accumulation_train():
+    adamw = run_training(small(optimizer="adamw", lr=0.003, steps=60, eval_every=0))
+    assert adamw["eval_accuracy"] > 0.8
+    nesterov = run_training(small(nesterov=True, steps=60, eval_every=0, accumulation=2))
+    assert nesterov["eval_accuracy"] > 0.8
+
+
+def test_non_iid_partition_has_consensus_only_with_local_methods(tmp_path):
+    result = run_training(small(tmp_path, partition="dirichlet", alpha=0.1))
+    split = json.loads((tmp_path / "partition.json").read_text())
+    assert split  # the split used is recorded
+    assert result["consensus_distance"] == 0.0  # still AllReduce
+
+
+def _final_model(run_dir: Path) -> dict:
+    path = ckpt.latest_checkpoint(run_dir)
+    return ckpt.safe_load(path / "shared.pt")["model"]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_at(step_to_crash: int):
+    real = loop.learning_rate
+
+    def crashing(config, step):
+        if step == step_to_crash:
+            raise Crash(f"stopped at step {step}")
+        return real(config, step)
+
+    return crashing
+
+
+def test_resume_in_simulator_equals_uninterrupted(tmp_path, monkeypatch):
+    cfg = dict(sim=3, steps=40, eval_every=10, checkpoint_every=10, momentum=0.9, quiet=True)
+    straight = tmp_path / "straight"
+    run_training(TrainConfig(run_dir=str(straight), **cfg))
+    stopped = tmp_path / "stopped"
+    monkeypatch.setattr(loop, "learning_rate", _crash_at(25))
+    with pytest.raises(Exception, match="stopped at step 25"):
+        run_training(TrainConfig(run_dir=str(stopped), **cfg))
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(stopped).name == "step-00000020"
+    resumed = run_training(TrainConfig(run_dir=str(stopped), resume=True, **cfg))
+    a, b = _final_model(straight), _final_model(stopped)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # the metrics continue as if nothing happened
+    ev_a = [r for r in read_metrics(straight) if r["kind"] == "eval"]
+    ev_b = [r for r in read_metrics(stopped) if r["kind"] == "eval"]
+    assert [r["step"] for r in ev_b] == [10, 20, 30, 40]
+    for ra, rb in zip(ev_a, ev_b, strict=True):
+        assert ra["eval_loss"] == rb["eval_loss"]
+        assert ra["bytes_sent"] == pytest.approx(rb["bytes_sent"])
+    assert resumed["eval_accuracy"] == ev_a[-1]["eval_accuracy"]
+
+
+def gloo_train(run_dir: str, resume: bool, crash_at: int | None):
+    if crash_at is not None:
+        loop.learning_rate = _crash_at(crash_at)
+    cfg = TrainConfig(steps=30, eval_every=10, checkpoint_every=10, run_dir=run_dir,
+                      resume=resume, quiet=True, sim=0)
+    return run_training(cfg).get("eval_loss")
+
+
+@pytest.mark.gloo
+def test_resume_on_gloo_equals_uninterrupted(tmp_path):
+    from gossamer.testing import spawn_gloo
+
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    spawn_gloo(gloo_train, 2, args=(straight, False, None), timeout=180)
+    with pytest.raises(RuntimeError, match="stopped at step 15"):
+        spawn_gloo(gloo_train, 2, args=(stopped, False, 15), timeout=180)
+    spawn_gloo(gloo_train, 2, args=(stopped, True, None), timeout=180)
+    a, b = _final_model(Path(straight)), _final_model(Path(stopped))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": os.system}, path)
+    with pytest.raises(ValueError, match="refused"):
+        ckpt.safe_load(path)
+
+
+def test_interrupted_save_leaves_latest_on_complete_checkpoint(tmp_path):
+    run_training(small(tmp_path, steps=20, checkpoint_every=10))
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-00000020"
+    # a save that died half-way leaves a .tmp directory behind, which nobody reads
+    (tmp_path / "checkpoints" / "step-00000030.tmp").mkdir()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-00000020"
+    step, shard, shared = ckpt.load_checkpoint(tmp_path, 0, 2)
+    assert step == 20 and "model" in shared and "sampler" in shard
+    with pytest.raises(ValueError, match="2 workers"):
+        ckpt.load_checkpoint(tmp_path, 0, 3)
+
+
+def test_recipes_load_and_flags_override(tmp_path, capsys):
+    for recipe in RECIPES.glob("*.yaml"):
+        settings = load_recipe(recipe)
+        TrainConfig(**settings)  # every shipped recipe is valid
+    out = tmp_path / "r.json"
+    code = main(["train", "--config", str(RECIPES / "digits-allreduce.yaml"), "--steps", "20",
+                 "--sim", "2", "--quiet", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["steps"] == 20 and data["config"]["lr"] == 0.05
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "vgg"], "model 'vgg' is unknown"),
+        (["--optimizer", "lamb"], "optimizer 'lamb' is unknown"),
+        (["--schedule", "poly"], "schedule 'poly' is unknown"),
+        (["--batch-size", "1000", "--sim", "4"], "larger than this worker's shard"),
+        (["--dataset", "mnist", "--data-path", "/nonexistent/mnist"], "/nonexistent/mnist"),
+        (["--dataset", "mnist"], "path"),
+        (["--checkpoint-every", "5"], "run_dir"),
+    ],
+)
+def test_bad_train_input(argv, message, capsys):
+    assert main(["train", "--steps", "2", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_recipe_key(tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("steps: 10\nlearning_rate: 0.1\n")
+    assert main(["train", "--config", str(recipe)]) == 2
+    assert "unknown key 'learning_rate'" in capsys.readouterr().err
+
+
+def test_help_documents_every_flag_with_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--batch-size", "--schedule", "--warmup-steps", "--partition", "--alpha",
+                 "--checkpoint-every", "--resume", "--eval-workers", "--sim", "--config"):
+        assert flag in text
+    assert "(default: 32)" in text
+
+
+def test_compare_writes_report_and_plots(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code = main(["compare", "--algorithms", "allreduce,allreduce:bucket_mb=0.001",
+                 "--workers", "2", "--steps", "20", "--eval-every", "10", "--out", str(out),
+                 "--quiet"])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    assert "allreduce:bucket_mb=0.001" in report
+    for name in ("loss_vs_steps", "loss_vs_wall_clock", "loss_vs_bytes", "accuracy_vs_steps"):
+        png = out / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"{name}.png" in report
+    # same task, seed and partition: the two runs differ only in bucket size
+    a = read_metrics(out / "allreduce")
+    b = read_metrics(out / "allreduce_bucket_mb=0.001")
+    assert a[-1]["eval_loss"] == pytest.approx(b[-1]["eval_loss"], abs=1e-6)
+    assert main(["plot", str(out / "allreduce"), "--out", str(tmp_path / "p")]) == 0
+    assert (tmp_path / "p" / "loss_vs_steps.png").is_file()
+
+
+def test_compare_rejects_unknown_algorithm(capsys):
+    assert main(["compare", "--algorithms", "allreduce,nope"]) == 2
+    assert "known algorithms" in capsys.readouterr().err
