@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from gossamer.algorithms import create, model_tensors
-from gossamer.algorithms.buckets import Buckets
 from gossamer.api import distribute
 from gossamer.comm.base import Communicator
 from gossamer.train import checkpoint as ckpt
@@ -291,19 +290,21 @@ def _measure(
     """Collective: evaluate the averaged model and each replica, and the consensus distance."""
     with torch.no_grad():
         tensors = model_tensors(model)  # parameters first, then float buffers
-        buckets = Buckets(tensors, bucket_bytes=None)
-        buckets.gather(tensors)
-        for b in buckets.buffers:
-            comm.all_reduce(b, op="mean")
+        # In float64, so that the mean of identical replicas is exact and their consensus
+        # distance exactly 0 (float32 sums would leave rounding noise).
+        own = [t.detach().double() for t in tensors]
+        mean = torch.cat([t.reshape(-1) for t in own])
+        comm.all_reduce(mean, op="mean")
+        means = list(torch.split(mean, [t.numel() for t in own]))
         # consensus distance over parameters only: mean over workers of ||x_i - mean||^2
-        n_params = len(params)
-        own_sq = sum(float((t - a).pow(2).sum()) for t, a in zip(
-            tensors[:n_params], buckets.views[:n_params], strict=True))
+        own_sq = sum(float((t.reshape(-1) - m).pow(2).sum())
+                     for t, m in zip(own[: len(params)], means, strict=False))
         if runtime.replicas_identical:
             averaged = model
         else:
             averaged = copy.deepcopy(model)
-            buckets.scatter(model_tensors(averaged))
+            for t, m in zip(model_tensors(averaged), means, strict=True):
+                t.copy_(m.view_as(t))
         if config.eval_workers:
             own_loss, own_acc = evaluate(model, dataset.x_test, dataset.y_test)
         else:
