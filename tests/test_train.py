@@ -56,6 +56,7 @@ def test_run_dir_holds_config_metrics_partition(tmp_path):
     assert config["model"] == "mlp" and config["world_size"] == 2
     split = json.loads((tmp_path / "partition.json").read_text())
     assert json.dumps(split)  # recorded, JSON
+    assert (tmp_path / "plots" / "loss_vs_steps.png").is_file()
 
 
 def test_bytes_match_ring_all_reduce_formula():

@@ -429,4 +429,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         finally:
             comm.close()
         result["mode"] = "torch.distributed"
+    if config.run_dir and result.get("rank") == 0:
+        from gossamer.train.report import load_metrics, plot_runs
+
+        plot_runs([load_metrics(config.run_dir)], Path(config.run_dir) / "plots")
     return result
