@@ -247,3 +247,58 @@ def test_compare_writes_report_and_plots(tmp_path, capsys):
 def test_compare_rejects_unknown_algorithm(capsys):
     assert main(["compare", "--algorithms", "allreduce,nope"]) == 2
     assert "known algorithms" in capsys.readouterr().err
+
+
+def test_resume_with_batchnorm_keeps_each_workers_statistics(tmp_path, monkeypatch):
+    """ResNet-20 on a tiny fake CIFAR-10: BatchNorm statistics differ per worker even under
+    AllReduce; a resumed run must restore each worker's own."""
+    from test_data import write_cifar
+
+    write_cifar(tmp_path / "cifar", n=8)
+    cfg = dict(sim=2, steps=6, eval_every=3, checkpoint_every=3, batch_size=4, quiet=True,
+               dataset="cifar10", data_path=str(tmp_path / "cifar"), lr=0.01)
+    straight, stopped = tmp_path / "a", tmp_path / "b"
+    run_training(TrainConfig(run_dir=str(straight), **cfg))
+    monkeypatch.setattr(loop, "learning_rate", _crash_at(4))
+    with pytest.raises(Exception, match="stopped at step 4"):
+        run_training(TrainConfig(run_dir=str(stopped), **cfg))
+    monkeypatch.undo()
+    run_training(TrainConfig(run_dir=str(stopped), resume=True, **cfg))
+    for rank in range(2):
+        a = ckpt.safe_load(ckpt.latest_checkpoint(straight) / f"rank-{rank:05d}.pt")["buffers"]
+        b = ckpt.safe_load(ckpt.latest_checkpoint(stopped) / f"rank-{rank:05d}.pt")["buffers"]
+        for key in a:
+            assert torch.equal(a[key], b[key]), (rank, key)
+    ev_a = [r for r in read_metrics(straight) if r["kind"] == "eval"]
+    ev_b = [r for r in read_metrics(stopped) if r["kind"] == "eval"]
+    assert ev_a[-1]["worker_eval_loss"] == ev_b[-1]["worker_eval_loss"]
+    assert ev_a[-1]["eval_loss"] == ev_b[-1]["eval_loss"]
+
+
+def test_recipe_numbers_in_any_spelling(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr: 1e-3\nmilestones: 5\nschedule: step\n")
+    cfg = TrainConfig(**load_recipe(recipe))
+    assert cfg.lr == 0.001 and cfg.milestones == (5,)
+    recipe.write_text("lr: fast\n")
+    with pytest.raises(ValueError, match="lr must be a number"):
+        load_recipe(recipe)
+
+
+def test_compare_refuses_flags_it_would_ignore(capsys):
+    assert main(["compare", "--option", "bucket_mb=1"]) == 2
+    assert "does not take --option" in capsys.readouterr().err
+
+
+def test_tensorboard_needs_run_dir_and_package(tmp_path, capsys):
+    with pytest.raises(ValueError, match="run_dir"):
+        TrainConfig(tensorboard=True)
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        assert main(["train", "--steps", "2", "--tensorboard", "--run-dir", str(tmp_path)]) == 2
+        assert "pip install tensorboard" in capsys.readouterr().err
+    else:
+        assert main(["train", "--steps", "2", "--quiet", "--tensorboard",
+                     "--run-dir", str(tmp_path)]) == 0
+        assert list((tmp_path / "tensorboard").iterdir())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 from collections.abc import Sequence
 
@@ -63,8 +64,13 @@ def _train(args: argparse.Namespace) -> int:
     from gossamer.train.loop import launched_by_launcher, run_training
 
     config = config_from_args(args)
-    if config.sim == 0 and args.sim is None and not launched_by_launcher():
-        config = config.replace(sim=DEFAULT_SIM_WORKERS)  # no launcher: simulate
+    if args.sim is None:
+        # Under a launcher each process is one worker, whatever a recipe says; without one,
+        # simulate.
+        if launched_by_launcher():
+            config = config.replace(sim=0)
+        elif config.sim == 0:
+            config = config.replace(sim=DEFAULT_SIM_WORKERS)
     result = run_training(config)
     if result["rank"] != 0:
         return 0
@@ -103,6 +109,11 @@ def _compare(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    for flag, given in (("--algorithm", args.algorithm), ("--option", args.option),
+                        ("--run-dir", args.run_dir), ("--resume", args.resume)):
+        if given:
+            raise ValueError(f"compare does not take {flag}: name algorithms and their options "
+                             "as --algorithms NAME:KEY=VALUE,...; runs go under --out")
     base = config_from_args(args, sim=args.sim or args.workers)
     report = run_compare(args.algorithms or default_algorithms(), base, args.out)
     print(f"report: {report}")
@@ -168,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_plot(args)
         handlers = {"train": _train, "compare": _compare, "algorithms": _algorithms}
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, pickle.UnpicklingError) as error:
         print(f"gossamer {args.command}: error: {error}", file=sys.stderr)
         return 2
     except SimulationError as error:

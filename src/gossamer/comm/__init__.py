@@ -15,7 +15,7 @@ from gossamer.comm.base import (
     Handle,
 )
 from gossamer.comm.network import ComputeModel, NetworkModel
-from gossamer.comm.sim import SimReport, SimWorld
+from gossamer.comm.sim import SimReport, SimulationError, SimWorld
 from gossamer.comm.torch_comm import TorchCommunicator
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "NetworkModel",
     "SimReport",
     "SimWorld",
+    "SimulationError",
     "TorchCommunicator",
 ]

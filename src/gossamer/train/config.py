@@ -63,6 +63,7 @@ class TrainConfig:
     latency: float = 50e-6  # seconds per message
     bandwidth: float = 125e6  # bytes per second per link (1 Gbit/s)
     compute_time: float = 0.01  # seconds of compute per step
+    timeout: float = 300.0  # seconds a worker waits for a peer before failing (virtual in sim)
     quiet: bool = False  # no progress bar, summary only
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ class TrainConfig:
         check_positive("latency", self.latency, allow_zero=True)
         check_positive("bandwidth", self.bandwidth, allow_zero=False)
         check_positive("compute_time", self.compute_time, allow_zero=True)
+        check_positive("timeout", self.timeout, allow_zero=False)
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
@@ -94,6 +96,8 @@ class TrainConfig:
             raise ValueError("checkpoint_every needs run_dir (where checkpoints go)")
         if self.resume and not self.run_dir:
             raise ValueError("resume needs run_dir (whose latest checkpoint to continue)")
+        if self.tensorboard and not self.run_dir:
+            raise ValueError("tensorboard needs run_dir (the logs go to run_dir/tensorboard)")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -158,7 +162,19 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     if "options" in data and not isinstance(data["options"], dict):
         raise ValueError(f"config file {str(path)!r}: options must be a mapping")
     if "milestones" in data:
-        data["milestones"] = tuple(data["milestones"] or ())
+        value = data["milestones"]
+        data["milestones"] = tuple(value) if isinstance(value, (list, tuple)) else (
+            () if value is None else (value,))
+    hints = typing.get_type_hints(TrainConfig)
+    for key, value in data.items():
+        # YAML reads 1e-3 as a string: numbers are taken in any spelling float() accepts
+        if hints[key] is float and isinstance(value, (str, int)) and not isinstance(value, bool):
+            try:
+                data[key] = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"config file {str(path)!r}: {key} must be a number, got {value!r}"
+                ) from None
     return data
 
 

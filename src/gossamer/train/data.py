@@ -445,7 +445,9 @@ def load_dataset(
             raise ValueError(f"dataset {name!r} is embedded and takes no path, got {path}")
         return loader(seed=seed, **options)
     if path is None:
-        raise ValueError(f"dataset {name!r} needs path= ({_PATH_HINTS[name]})")
+        raise ValueError(
+            f"dataset {name!r} needs a data path (--data-path, or path=): {_PATH_HINTS[name]}"
+        )
     if "seed" in parameters:
         options["seed"] = seed
     return loader(path, **options)

@@ -96,8 +96,10 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     was_training = model.training
     model.eval()
     total_loss, correct, count = 0.0, 0.0, 0
+    device = next(model.parameters()).device
     for start in range(0, len(y), EVAL_BATCH):
-        xb, yb = x[start : start + EVAL_BATCH], y[start : start + EVAL_BATCH]
+        xb = x[start : start + EVAL_BATCH].to(device)
+        yb = y[start : start + EVAL_BATCH].to(device)
         logits = model(xb)
         weight = yb.numel()
         total_loss += loss_fn(logits, yb).item() * weight
@@ -133,7 +135,7 @@ class _Metrics:
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(_json_safe(record)) + "\n")
             self.file.flush()
         if self.tensorboard is not None:
             self.tensorboard.log(record)
@@ -142,6 +144,19 @@ class _Metrics:
         if self.file is not None:
             os.fsync(self.file.fileno())
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities (not JSON) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -184,7 +199,9 @@ def resolve_model(config: TrainConfig) -> str:
 def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> dict[str, Any]:
     """Train this worker's replica; rank 0's result carries the run's metrics."""
     torch.manual_seed(config.seed)  # the same initial model on every worker
+    device = getattr(comm, "device", torch.device("cpu"))  # CUDA under NCCL
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
+    model.to(device)
     optimizer = distribute(model, make_optimizer(config, model),
                            create(config.algorithm, config.options), comm)
     runtime = optimizer.runtime
@@ -200,6 +217,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         start, shard, shared = ckpt.load_checkpoint(config.run_dir, comm.rank, comm.world_size)
         state = shared if shared is not None else shard
         model.load_state_dict(state["model"])
+        for name, buffer in model.named_buffers():
+            buffer.copy_(shard["buffers"][name])
         optimizer.load_state_dict(state["optimizer"] if shared is None else {
             "optimizer": shared["optimizer"]["optimizer"],
             "algorithm": shard["algorithm"],
@@ -240,7 +259,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         step_loss = 0.0
         for _ in range(config.accumulation):
             batch = sampler.next_batch()
-            loss = loss_fn(model(dataset.x_train[batch]), dataset.y_train[batch])
+            loss = loss_fn(model(dataset.x_train[batch].to(device)),
+                           dataset.y_train[batch].to(device))
             (loss / config.accumulation).backward()
             step_loss += loss.item() / config.accumulation
         optimizer.step()
@@ -299,8 +319,8 @@ def _measure(
         # consensus distance over parameters only: mean over workers of ||x_i - mean||^2
         own_sq = sum(float((t.reshape(-1) - m).pow(2).sum())
                      for t, m in zip(own[: len(params)], means, strict=False))
-        if runtime.replicas_identical:
-            averaged = model
+        if runtime.replicas_identical and len(tensors) == len(params):
+            averaged = model  # identical replicas, no per-worker statistics to average
         else:
             averaged = copy.deepcopy(model)
             for t, m in zip(model_tensors(averaged), means, strict=True):
@@ -339,6 +359,8 @@ def _measure(
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
     sent, messages, clock = counters
     shard = {
+        # BatchNorm statistics differ between workers even when parameters don't
+        "buffers": dict(model.named_buffers()),
         "algorithm": runtime.state_dict(),
         "sampler": _to_safe(sampler.state_dict()),
         "rng": torch.get_rng_state(),
@@ -360,8 +382,16 @@ def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
 def prepare(config: TrainConfig) -> Dataset:
     """Check everything that can be checked before any worker starts; load the data."""
     create(config.algorithm, config.options)  # bad names and options fail here
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("tensorboard needs the tensorboard package: "
+                             "pip install tensorboard") from None
     options = {"block_size": config.block_size} if config.dataset == "text" else {}
-    dataset = load_dataset(config.dataset, seed=config.seed, path=config.data_path, **options)
+    # The evaluation split does not depend on the run's seed: runs of different seeds are
+    # scored on the same examples.
+    dataset = load_dataset(config.dataset, seed=0, path=config.data_path, **options)
     build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     return dataset
 
@@ -412,13 +442,14 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             network=NetworkModel(latency=config.latency, bandwidth=config.bandwidth),
             compute=ComputeModel(step_time=config.compute_time),
             seed=config.seed,
+            timeout=config.timeout,
         )
         result = world.run(train_worker, config, dataset)[0]
         result["mode"] = "simulated"
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
-        comm = TorchCommunicator.from_env()
+        comm = TorchCommunicator.from_env(timeout=config.timeout)
         try:
             check_shards(config, dataset, comm.world_size)
             if config.run_dir and not config.resume:

@@ -395,7 +395,7 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where to write the plots and report.md (default: RUN_DIR/plots "
                         f"for one run, ./{DEFAULT_OUT} for several)")
-    parser.add_argument("--title", default="gossamer compare", help="title of report.md")
+    parser.add_argument("--title", default="gossamer plot", help="title of report.md")
 
 
 def run_plot(args: argparse.Namespace) -> int:
@@ -407,7 +407,7 @@ def run_plot(args: argparse.Namespace) -> int:
         out_dir = Path(args.run_dirs[0]) / "plots"
     else:
         out_dir = Path(DEFAULT_OUT)
-    report = write_report(runs, out_dir, title=getattr(args, "title", "gossamer compare"))
+    report = write_report(runs, out_dir, title=getattr(args, "title", "gossamer plot"))
     for path in sorted(out_dir.glob("*.png")):
         print(path)
     print(report)
