@@ -329,7 +329,7 @@ def test_load_dataset_names_and_paths(tmp_path):
     with pytest.raises(ValueError, match="dataset 'imagenet' is unknown; known: digits, mnist"):
         load_dataset("imagenet")
     for name in ("mnist", "fashion-mnist", "cifar10", "text"):
-        with pytest.raises(ValueError, match="needs path="):
+        with pytest.raises(ValueError, match="needs a data path"):
             load_dataset(name)
     with pytest.raises(ValueError, match="takes no option 'colour'"):
         load_dataset("mnist", path=tmp_path, colour=True)
