@@ -72,6 +72,11 @@ class DistributedOptimizer:
         """Average the replicas exactly (collective: every worker must call it)."""
         self.runtime.average_parameters()
 
+    def finish(self) -> None:
+        """After the last step: settle messages in flight (and, where the algorithm is set to,
+        average exactly). Collective: every worker must call it."""
+        self.runtime.finish()
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and the algorithm's state, for checkpoints."""
         return {"optimizer": self.optimizer.state_dict(), "algorithm": self.runtime.state_dict()}
@@ -122,6 +127,7 @@ def distribute(
         from gossamer.comm.torch_comm import TorchCommunicator
 
         comm = TorchCommunicator.from_env()
+    algorithm.validate(comm.world_size)
     if broadcast and comm.world_size > 1:
         broadcast_model(comm, model)
     runtime = algorithm.bind(comm, model, optimizer)

@@ -1,12 +1,21 @@
 """Distributed training methods, one module each, all written against a Communicator."""
 
+from gossamer.algorithms.adpsgd import ADPSGD
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors, model_tensors
+from gossamer.algorithms.dpsgd import DPSGD
+from gossamer.algorithms.pushsum import push_sum_average, push_sum_round
 from gossamer.algorithms.registry import available, create, describe, lookup, register
+from gossamer.algorithms.sgp import OSGP, SGP
 
-register(AllReduce)
+for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD):
+    register(_cls)
 
 __all__ = [
+    "ADPSGD",
+    "DPSGD",
+    "OSGP",
+    "SGP",
     "Algorithm",
     "AllReduce",
     "AllReduceRuntime",
@@ -17,5 +26,7 @@ __all__ = [
     "describe",
     "lookup",
     "model_tensors",
+    "push_sum_average",
+    "push_sum_round",
     "register",
 ]

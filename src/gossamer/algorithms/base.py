@@ -30,6 +30,12 @@ class Algorithm(ABC):
     #: The registry name, used by the command line and recipes.
     name: ClassVar[str]
 
+    def validate(self, world_size: int) -> None:
+        """Check this configuration against a world size (ValueError naming the argument).
+
+        Called before any worker starts where the world size is known, and again by bind.
+        """
+
     @abstractmethod
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -61,6 +67,12 @@ class Runtime:
 
     def after_step(self) -> None:
         """Called after the optimizer stepped."""
+
+    def before_eval(self) -> None:
+        """Called (on every worker) before the training loop evaluates."""
+
+    def finish(self) -> None:
+        """Called (on every worker) after the last step: settle what is in flight."""
 
     @torch.no_grad()
     def average_parameters(self) -> None:

@@ -91,6 +91,11 @@ class CommStats:
 class Handle(Protocol):
     """An operation in flight; ``wait()`` blocks (bounded by the communicator's timeout)."""
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once; never blocks. In the simulator: whether
+        everything has arrived by this worker's virtual time."""
+        ...
+
     def wait(self) -> dict[int, torch.Tensor]:
         """Complete the operation and return what was received, keyed by the sender's rank."""
         ...

@@ -44,6 +44,9 @@ class _GroupExchange:
         self._group, self._handle, self._label = group, handle, label
         self._result: dict[int, torch.Tensor] | None = None
 
+    def ready(self) -> bool:
+        return self._result is not None or self._handle.ready()
+
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is None:
             with self._group._errors(self._label):

@@ -342,6 +342,13 @@ class SimWorld:
             error, w.wake_error = w.wake_error, None
             raise error
 
+    def _sync(self, w: _Worker) -> None:
+        """Let every worker that is earlier in virtual time act first: afterwards nothing
+        can happen any more at a virtual time before ``w``'s clock."""
+        heapq.heappush(self._ready, (w.clock, w.rank))
+        w.state = _READY
+        self._yield(w)
+
     def _block(self, w: _Worker, wait: _Wait) -> None:
         """Block ``w`` until woken or until its timeout."""
         w.state = _BLOCKED
@@ -526,6 +533,14 @@ class _SimHandle:
 
     def _completion(self) -> float:
         return max([self._sends_done] + [s.arrival for s in self._slots])
+
+    def ready(self) -> bool:
+        """Whether everything has arrived by this worker's virtual time (never blocks)."""
+        if self._result is not None:
+            return True
+        world, w = self._view._world, self._view._worker
+        world._sync(w)
+        return all(s.tensor is not None for s in self._slots) and self._completion() <= w.clock
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is not None:

@@ -291,6 +291,12 @@ class _Exchange:
         self._result: dict[int, torch.Tensor] | None = None
         self._error: CommError | None = None
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
+        if self._result is not None or self._error is not None:
+            return True
+        return all(work.is_completed() for work in self._works)
+
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is not None:
             return self._result

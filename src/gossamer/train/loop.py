@@ -265,6 +265,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
             step_loss += loss.item() / config.accumulation
         optimizer.step()
         done = step + 1
+        if done == config.steps:
+            optimizer.finish()
         window_loss, window_count = window_loss + step_loss, window_count + 1
         if not math.isfinite(step_loss):
             raise FloatingPointError(f"rank {comm.rank}: the loss became {step_loss} at step "
@@ -274,6 +276,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
             metrics.write({"kind": "train", "step": done, "train_loss": step_loss, "lr": lr,
                            "bytes_sent": sent, "wall_clock": clock})
         if done == config.steps or (config.eval_every and done % config.eval_every == 0):
+            runtime.before_eval()
             last = excluding(_measure, comm, config, dataset, model, params, runtime,
                              window_loss / window_count, counters(), examples_per_step, done)
             window_loss, window_count = 0.0, 0
@@ -381,7 +384,9 @@ def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
 
 def prepare(config: TrainConfig) -> Dataset:
     """Check everything that can be checked before any worker starts; load the data."""
-    create(config.algorithm, config.options)  # bad names and options fail here
+    algorithm = create(config.algorithm, config.options)  # bad names and options fail here
+    if config.sim:
+        algorithm.validate(config.sim)
     if config.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401

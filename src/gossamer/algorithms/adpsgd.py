@@ -1,0 +1,178 @@
+"""AD-PSGD: asynchronous decentralized parallel SGD with bilateral averaging.
+
+Workers of even rank are active, of odd rank passive; every edge of the (bipartite) topology
+joins an active and a passive worker, so two workers never wait for each other in a cycle.
+After each local step an active worker sends its parameters to its next passive neighbour
+(round robin) and goes on computing; when the reply arrives, at a later step, it averages with
+it. A passive worker, after each of its own steps, answers every request that has arrived:
+it replies with its parameters and averages with the requester's. Nothing waits for a slow
+worker: a request to a busy passive worker is answered when it gets to it, and meanwhile the
+active worker asks others. There is no global barrier.
+
+In the simulator "has it arrived" is decided in virtual time, so the order of events is that of
+a real network with the same speeds, and runs are deterministic; on gloo the same code polls
+real non-blocking sends and receives.
+
+Reference: Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient
+Descent" (ICML 2018).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
+from gossamer.comm.base import Communicator, Handle
+from gossamer.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class ADPSGD(GossipAlgorithm):
+    """Asynchronous decentralized SGD: active (even) and passive (odd) workers average in pairs.
+
+    Args:
+        topology: bipartite between even and odd ranks, connected (default
+            ``"bipartite_exponential"``).
+        allreduce_every: an exact average every K steps (default 0: never). It is a global
+            barrier: it makes the method synchronous at those steps.
+        average_before_eval: exact average before each evaluation (default False).
+        average_at_end: exact average after the last step (default True).
+    """
+
+    name: ClassVar[str] = "adpsgd"
+    default_topology: ClassVar[str] = "bipartite_exponential"
+
+    def check_topology(self, topology: Topology) -> None:
+        topology.require_strongly_connected(arg="topology")
+        for phase in range(topology.period):
+            for i in range(topology.world_size):
+                for j in topology.out_peers(i, phase):
+                    if (i - j) % 2 == 0:
+                        raise ValueError(
+                            f"topology: AD-PSGD pairs active (even) with passive (odd) ranks, "
+                            f"but {topology.name!r} joins ranks {i} and {j}"
+                        )
+
+    def bind(self, comm: Communicator, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> ADPSGDRuntime:
+        return ADPSGDRuntime(self, comm, model, optimizer)
+
+
+class ADPSGDRuntime(GossipRuntime):
+    """One worker of AD-PSGD and the exchanges it has in flight."""
+
+    def __init__(self, config: ADPSGD, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(config, comm, model, optimizer)
+        topo, rank = self.topology, comm.rank
+        self.neighbors = sorted({j for k in range(topo.period) for j in topo.out_peers(rank, k)})
+        self.active = rank % 2 == 0
+        # internal state
+        self.next_peer = 0  # active: round-robin position in neighbors
+        self.requests = {p: 0 for p in self.neighbors}  # sent (active) / answered (passive)
+        self.outstanding: dict[int, Handle] = {}  # active: the reply awaited from each peer
+        self.posted: dict[int, Handle] = {}  # passive: the receive posted for each peer
+        self.sending: list[Handle] = []  # sends not known to be complete yet
+        # statistics
+        self.averagings = 0  # pairwise averages this worker took part in
+        self._post_receives()
+
+    def _like(self) -> torch.Tensor:
+        return self.flat.buffers[0]
+
+    def _post_receives(self) -> None:
+        self.open = True  # requests may be in flight; settle() closes
+        if not self.active:
+            self.posted = {a: self.comm.exchange({}, [a], recv_like=self._like())
+                           for a in self.neighbors}
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        x = self.read_parameters()
+        x = self._take_replies(x, block=False) if self.active else self._answer(x, block=False)
+        if self.active:
+            self._request(x)
+        self.write_parameters(x)
+        self.sending = [h for h in self.sending if not h.ready()]
+        self.periodic_average()
+
+    def _take_replies(self, x: torch.Tensor, block: bool) -> torch.Tensor:
+        for peer in sorted(self.outstanding):
+            if block or self.outstanding[peer].ready():
+                reply = self.outstanding.pop(peer).wait()[peer]
+                x = (x + reply) / 2
+                self.averagings += 1
+        return x
+
+    def _request(self, x: torch.Tensor) -> None:
+        for _ in range(len(self.neighbors)):
+            peer = self.neighbors[self.next_peer]
+            self.next_peer = (self.next_peer + 1) % len(self.neighbors)
+            if peer not in self.outstanding:  # one request per peer at a time
+                self.outstanding[peer] = self.comm.exchange({peer: x.clone()}, [peer])
+                self.requests[peer] += 1
+                return
+
+    def _answer(self, x: torch.Tensor, block: bool, until: dict[int, int] | None = None
+                ) -> torch.Tensor:
+        """Passive: answer the requests that have arrived (or, with ``block``, the first
+        ``until[peer]`` requests of each peer)."""
+        for peer in self.neighbors:
+            while (self.requests[peer] < until[peer]) if block else self.posted[peer].ready():
+                request = self.posted[peer].wait()[peer]
+                self.sending.append(self.comm.exchange({peer: x.clone()}, []))
+                x = (x + request) / 2
+                self.averagings += 1
+                self.requests[peer] += 1
+                self.posted[peer] = self.comm.exchange({}, [peer], recv_like=x)
+        return x
+
+    @torch.no_grad()
+    def settle(self, restart: bool = False) -> None:
+        """Collective: answer and take every request in flight, then close the channels.
+
+        Every worker learns how many requests each active worker sent (one small all-reduce);
+        passive workers answer exactly those, active workers take every reply, then each
+        active worker sends one closing message that consumes the receive each passive
+        neighbour has posted. With ``restart`` the passive workers post new receives.
+        """
+        n = self.comm.world_size
+        if n == 1 or not self.open:  # alone, or settled for good already (every worker alike)
+            return
+        self.open = False
+        counts = torch.zeros(n * n, dtype=torch.float64)
+        if self.active:
+            for peer, sent in self.requests.items():
+                counts[self.comm.rank * n + peer] = sent
+        self.comm.all_reduce(counts)
+        x = self.read_parameters()
+        if self.active:
+            x = self._take_replies(x, block=True)
+            closing = torch.zeros_like(x)
+            self.sending += [self.comm.exchange({p: closing}, []) for p in self.neighbors]
+        else:
+            until = {a: int(counts[a * n + self.comm.rank]) for a in self.neighbors}
+            x = self._answer(x, block=True, until=until)
+            for peer in self.neighbors:
+                self.posted.pop(peer).wait()  # the closing message
+        self.write_parameters(x)
+        for handle in self.sending:
+            handle.wait()
+        self.sending = []
+        self.requests = {p: 0 for p in self.neighbors}
+        if restart:
+            self._post_receives()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.settle(restart=True)  # nothing in flight: the state is just these numbers
+        return {**super().state_dict(), "next_peer": self.next_peer,
+                "averagings": self.averagings}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.next_peer = int(state["next_peer"])
+        self.averagings = int(state["averagings"])

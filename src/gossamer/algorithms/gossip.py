@@ -1,0 +1,112 @@
+"""What the gossip methods (SGP, Overlap SGP, D-PSGD, AD-PSGD) share: the topology option,
+the flat view of the parameters, periodic exact averages, and the hooks around evaluation
+and the end of training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
+from gossamer.algorithms.buckets import Buckets
+from gossamer.comm.base import Communicator
+from gossamer.topology import Topology, build
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GossipAlgorithm(Algorithm):
+    """Options every gossip method has (see the subclasses for their defaults)."""
+
+    name: ClassVar[str]
+    default_topology: ClassVar[str]
+
+    topology: str | Topology = ""  # a registered topology name, or a Topology object
+    allreduce_every: int = 0  # an exact average of all every K steps (0: never); lower: closer
+    average_before_eval: bool = False  # exact average before each evaluation (changes training)
+    average_at_end: bool = True  # exact average after the last step, so all end equal
+
+    def __post_init__(self) -> None:
+        if self.topology == "":
+            object.__setattr__(self, "topology", self.default_topology)
+        if not isinstance(self.topology, (str, Topology)):
+            raise ValueError(f"topology must be a name or a Topology, got {self.topology!r}")
+        _check_int("allreduce_every", self.allreduce_every, 0)
+
+    def topology_options(self) -> dict[str, object]:
+        """Options passed to the topology builder (by name)."""
+        return {}
+
+    def make_topology(self, world_size: int) -> Topology:
+        if isinstance(self.topology, Topology):
+            topology = self.topology
+        else:
+            topology = build(self.topology, world_size, **self.topology_options())
+        topology.require_world_size(world_size, arg="topology")
+        self.check_topology(topology)
+        return topology
+
+    def check_topology(self, topology: Topology) -> None:
+        """The conditions this method's convergence needs (ValueError naming ``topology``)."""
+        topology.require_strongly_connected(arg="topology")
+
+    def validate(self, world_size: int) -> None:
+        self.make_topology(world_size)
+
+
+class GossipRuntime(Runtime):
+    """A worker of a gossip method: its topology and a flat copy of its parameters."""
+
+    def __init__(self, config: GossipAlgorithm, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(comm, model, optimizer)
+        self.config = config
+        self.topology = config.make_topology(comm.world_size)
+        self.params = [p for p in model.parameters()]
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise ValueError(f"model: {config.name} needs parameters of one floating dtype, got "
+                             f"{sorted(map(str, dtypes))}")
+        self.flat = Buckets(self.params, bucket_bytes=None)
+
+    @torch.no_grad()
+    def read_parameters(self) -> torch.Tensor:
+        """The parameters as one flat tensor (a copy)."""
+        self.flat.gather(self.params)
+        return self.flat.buffers[0].clone()
+
+    @torch.no_grad()
+    def write_parameters(self, flat: torch.Tensor) -> None:
+        self.flat.buffers[0].copy_(flat)
+        self.flat.scatter(self.params)
+
+    def periodic_average(self) -> None:
+        """The exact all-reduce average every ``allreduce_every`` steps."""
+        every = self.config.allreduce_every
+        if every and (self.step + 1) % every == 0:
+            self.average_parameters()
+
+    def before_eval(self) -> None:
+        if self.config.average_before_eval:
+            self.average_parameters()
+
+    def finish(self) -> None:
+        self.settle()
+        if self.config.average_at_end:
+            self.average_parameters()
+
+    def settle(self) -> None:
+        """Take in every message still in flight (nothing is lost at the end)."""
+
+    @torch.no_grad()
+    def average_buffers(self) -> None:
+        buffers = [b for b in self.model.buffers() if torch.is_floating_point(b)]
+        if buffers:
+            average_tensors(self.comm, buffers)

@@ -1,0 +1,152 @@
+"""Stochastic Gradient Push (SGP) and Overlap SGP: push-sum gossip of the parameters.
+
+After each optimizer step a worker scales its parameters by its push-sum weight (the
+numerator), pushes shares of ``[numerator, weight]`` to this step's out-peers (by default the
+directed exponential graph, one peer per step: peer ``rank + 2^(k mod log2 n)``), keeps its own
+share and adds what it received; forward and backward then use the de-biased parameters
+``numerator / weight``. Overlap SGP (``tau >= 1``) mixes at step ``k + tau`` what was sent at
+step ``k``, so communication overlaps the next steps' computation and no step waits for the
+messages of the same step; the mass in flight is kept and mixed later, so nothing is lost.
+
+Reference: Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep
+Learning" (ICML 2019), Algorithms 1 and 2.
+
+Example::
+
+    optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                    momentum=0.9), SGP(peers_per_step=1), comm)
+    # the loop is unchanged; optimizer.finish() after the last step averages exactly
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime, _check_int
+from gossamer.algorithms.pushsum import push_message, push_sum_send
+from gossamer.comm.base import Communicator, Handle
+from gossamer.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGP(GossipAlgorithm):
+    """Stochastic Gradient Push: push-sum gossip of the parameters after every step.
+
+    Args:
+        topology: a column-stochastic topology, strongly connected over its period (default
+            ``"exponential"``), by name or as a Topology.
+        peers_per_step: out-peers per step of the exponential topology (default 1).
+        tau: steps between sending a message and mixing it (default 0; Overlap SGP: 1).
+        allreduce_every: an exact average every K steps (default 0: never).
+        average_before_eval: exact average before each evaluation (default False).
+        average_at_end: exact average after the last step (default True).
+    """
+
+    name: ClassVar[str] = "sgp"
+    default_topology: ClassVar[str] = "exponential"
+
+    peers_per_step: int = 1  # higher: faster mixing, proportionally more bytes per step
+    tau: int = 0  # higher: more overlap of communication with computation, staler mixing
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int("peers_per_step", self.peers_per_step, 1)
+        _check_int("tau", self.tau, 0)
+
+    def topology_options(self) -> dict[str, object]:
+        if self.topology == "exponential":
+            return {"peers_per_step": self.peers_per_step}
+        if self.peers_per_step != 1:
+            raise ValueError("peers_per_step applies to the exponential topology only; "
+                             f"topology is {self.topology!r}")
+        return {}
+
+    def check_topology(self, topology: Topology) -> None:
+        topology.require_column_stochastic(arg="topology")
+        topology.require_strongly_connected(arg="topology")
+
+    def bind(self, comm: Communicator, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> SGPRuntime:
+        return SGPRuntime(self, comm, model, optimizer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OSGP(SGP):
+    """Overlap SGP: SGP whose messages are mixed ``tau`` steps after they were sent (default 1).
+    """
+
+    name: ClassVar[str] = "osgp"
+
+    tau: int = 1  # higher: more overlap of communication with computation, staler mixing
+
+
+class SGPRuntime(GossipRuntime):
+    """One worker of SGP: its push-sum weight and the messages in flight."""
+
+    def __init__(self, config: SGP, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(config, comm, model, optimizer)
+        self.config: SGP = config
+        # internal state
+        self.weight = 1.0  # push-sum weight; the parameters hold numerator / weight
+        # Sent, not yet mixed: the handle of each step's exchange, or what it delivered.
+        self.in_flight: deque[Handle | dict[int, torch.Tensor]] = deque()
+
+    @staticmethod
+    def _received(entry: Handle | dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return entry if isinstance(entry, dict) else entry.wait()
+
+    def _add_received(self, message: torch.Tensor, entry) -> torch.Tensor:
+        received = self._received(entry)
+        for peer in sorted(received):
+            message = message + received[peer]
+        return message
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        z = self.read_parameters()  # de-biased parameters after the local step
+        message = push_message(z * self.weight, self.weight)
+        kept, handle = push_sum_send(self.comm, self.topology, self.step, message)
+        self.in_flight.append(handle)
+        while len(self.in_flight) > self.config.tau:
+            kept = self._add_received(kept, self.in_flight.popleft())
+        self._set(kept)
+        self.periodic_average()
+
+    def _set(self, message: torch.Tensor) -> None:
+        self.weight = float(message[-1])
+        self.write_parameters(message[:-1] / self.weight)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Mix every message still in flight into the numerator (conserving the mass)."""
+        message = push_message(self.read_parameters() * self.weight, self.weight)
+        while self.in_flight:
+            message = self._add_received(message, self.in_flight.popleft())
+        self._set(message)
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """The exact average: sum of numerators over sum of weights, in-flight mass included."""
+        self.settle()
+        message = push_message(self.read_parameters() * self.weight, self.weight)
+        self.comm.all_reduce(message, op="mean")
+        self.weight = 1.0
+        self.write_parameters(message[:-1] / message[-1])
+        self.average_buffers()
+        self.synchronizations += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        in_flight = [self._received(entry) for entry in self.in_flight]
+        self.in_flight = deque(in_flight)  # delivered now; mixed at the same steps as before
+        return {**super().state_dict(), "weight": self.weight, "in_flight": in_flight}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.weight = float(state["weight"])
+        self.in_flight = deque({int(k): v for k, v in d.items()} for d in state["in_flight"])
