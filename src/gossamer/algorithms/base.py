@@ -35,6 +35,7 @@ class Algorithm(ABC):
 
         Called before any worker starts where the world size is known, and again by bind.
         """
+        return None  # nothing depends on the world size unless a method says so
 
     @abstractmethod
     def bind(
