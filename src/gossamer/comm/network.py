@@ -28,6 +28,10 @@ class NetworkModel:
         bandwidth: bytes per second of every link, 1 / beta (default 125e6: 1 Gbit/s).
         link_latency: per-(sender, receiver) overrides of ``latency``.
         link_bandwidth: per-(sender, receiver) overrides of ``bandwidth``, e.g. a slow link.
+        size_scale: every message counts this many times its real size when its time is
+            computed (default 1): simulates a model ``size_scale`` times larger than the one
+            computed, e.g. ResNet-50's 25.6M parameters with a 0.1M-parameter stand-in. Byte
+            counters keep counting real bytes.
 
     Example::
 
@@ -39,8 +43,10 @@ class NetworkModel:
     bandwidth: float = 125e6  # higher: large messages (dense gradients) get cheaper
     link_latency: Mapping[tuple[int, int], float] = field(default_factory=dict)
     link_bandwidth: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    size_scale: float = 1.0  # higher: messages cost as if the model were that much larger
 
     def __post_init__(self) -> None:
+        check_positive("size_scale", self.size_scale, allow_zero=False)
         check_positive("latency", self.latency, allow_zero=True)
         check_positive("bandwidth", self.bandwidth, allow_zero=False)
         for (i, j), value in self.link_latency.items():
@@ -50,7 +56,7 @@ class NetworkModel:
 
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds the sender's NIC is busy with a message (no latency)."""
-        return nbytes / self.link_bandwidth.get((src, dst), self.bandwidth)
+        return nbytes * self.size_scale / self.link_bandwidth.get((src, dst), self.bandwidth)
 
     def message_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds from the start of sending to arrival: alpha + b * beta."""
