@@ -108,7 +108,8 @@ def _stand_in() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 384), nn.ReLU(), nn.Linear(384, 10))  # 102,538 params
 
 
-def speed_worker(comm, method: str, steps: int) -> float:
+def speed_worker(comm, method: str, steps: int) -> tuple[float, float]:
+    """(simulated seconds per step, pairwise averagings per step for AD-PSGD)."""
     import gossamer
     from gossamer.algorithms import create
 
@@ -117,14 +118,15 @@ def speed_worker(comm, method: str, steps: int) -> float:
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01), algorithm,
                               comm)
     x, y = torch.randn(4, 256), torch.randint(0, 10, (4,))
-    start = 0.0
+    start, averaged = 0.0, 0
     for step in range(steps):
         if step == 2:  # after warm-up, when pipelines (OSGP) are full
-            start = comm.clock()
+            start, averaged = comm.clock(), getattr(opt.runtime, "averagings", 0)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    return (comm.clock() - start) / (steps - 2)
+    averagings = getattr(opt.runtime, "averagings", 0) - averaged
+    return (comm.clock() - start) / (steps - 2), averagings / (steps - 2)
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -140,14 +142,19 @@ def speed(args: argparse.Namespace) -> None:
             row = {"workers": n, "gbits": gbits}
             for method in METHODS:
                 world = SimWorld(n, network=network,
-                                 compute=ComputeModel(step_time=args.compute_time), seed=0)
-                row[method] = max(world.run(speed_worker, method, args.steps))
+                                 compute=ComputeModel(step_time=args.compute_time,
+                                                      jitter=args.jitter), seed=0)
+                results = world.run(speed_worker, method, args.steps)
+                row[method] = max(t for t, _ in results)
+                if method == "adpsgd":
+                    row["adpsgd_averagings_per_step"] = sum(a for _, a in results) / n
             rows.append(row)
             print(f"n={n:4d} {gbits:5g} Gbit/s: " + "  ".join(
-                f"{m} {row[m]:.3f}s ({row['allreduce'] / row[m]:.2f}x)" for m in METHODS))
-    plot_speed(rows, RESULTS / "gossip_speed.png")
-    path = write_result("gossip_speed", {"parameters": 25.6e6, "stand_in": params,
-                                         "compute_time": args.compute_time,
+                f"{m} {row[m]:.3f}s ({row['allreduce'] / row[m]:.2f}x)" for m in METHODS)
+                + f"  adpsgd averagings/step {row['adpsgd_averagings_per_step']:.2f}")
+    plot_speed(rows, RESULTS / f"{args.name}.png")
+    path = write_result(args.name, {"parameters": 25.6e6, "stand_in": params,
+                                         "compute_time": args.compute_time, "jitter": args.jitter,
                                          "latency": args.latency, "rows": rows})
     print(f"wrote {path}")
 
@@ -186,9 +193,11 @@ def main() -> None:
     s = sub.add_parser("speed")
     s.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128])
     s.add_argument("--gbits", type=float, nargs="+", default=[1, 10, 100])
-    s.add_argument("--steps", type=int, default=8)
+    s.add_argument("--steps", type=int, default=12)
     s.add_argument("--compute-time", type=float, default=0.25)
     s.add_argument("--latency", type=float, default=50e-6)
+    s.add_argument("--jitter", type=float, default=0.0, help="log-normal spread of step times")
+    s.add_argument("--name", default="gossip_speed", help="result file name")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.part == "accuracy":
