@@ -39,7 +39,7 @@ def test_progress_is_shown_unless_quiet(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["train", "--algorithm", "nope"], "known algorithms: allreduce"),
+        (["train", "--algorithm", "nope"], "known algorithms: adpsgd, allreduce"),
         (["train", "--bandwidth", "-1"], "bandwidth"),
         (["train", "--latency", "-1"], "latency"),
         (["train", "--steps", "0"], "steps"),
