@@ -189,7 +189,10 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch, name):
 # ---------------------------------------------------------------------------- AD-PSGD
 
 
-def _timeline(comm, steps: int):
+def _timeline(comm, steps: int, delay: float = 0.0):
+    """AD-PSGD training; the clock after each step; ``delay`` real seconds of extra work."""
+    import time
+
     model = _model()
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
                               ADPSGD(), comm)
@@ -199,6 +202,8 @@ def _timeline(comm, steps: int):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if delay:
+            time.sleep(delay)
         opt.step()
         clocks.append(comm.clock())
     opt.finish()
@@ -308,32 +313,11 @@ def test_compare_all_gossip_methods(tmp_path):
 
 
 def gloo_adpsgd(steps: int):
-    import time
-
     from gossamer.comm import TorchCommunicator
 
     comm = TorchCommunicator.from_env(timeout=60)
     try:
-        if comm.rank == 1:
-            slow = time.sleep
-        else:
-            slow = None
-        model = _model()
-        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                                  ADPSGD(), comm)
-        g = torch.Generator().manual_seed(comm.rank)
-        clocks = []
-        for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            if slow is not None:
-                slow(0.02)  # a straggler
-            opt.step()
-            clocks.append(comm.clock())
-        opt.finish()
-        params = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return clocks, params, opt.runtime.averagings
+        return _timeline(comm, steps, delay=0.02 if comm.rank == 1 else 0.0)  # 1 straggles
     finally:
         comm.close()
 
