@@ -57,6 +57,7 @@ class Runtime:
         self.optimizer = optimizer
         # internal state
         self.step = 0  # optimizer steps taken
+        self.total_steps: int | None = None  # set by a training loop that knows it
         # statistics
         self.synchronizations = 0  # exact averages of the whole world (collectives)
 

@@ -205,6 +205,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
     optimizer = distribute(model, make_optimizer(config, model),
                            create(config.algorithm, config.options), comm)
     runtime = optimizer.runtime
+    runtime.total_steps = config.steps
     shards = partition(dataset.y_train.numpy(), comm.world_size, scheme=config.partition,
                        alpha=config.alpha, seed=config.seed)
     sampler = ShardSampler(shards[comm.rank], config.batch_size,
