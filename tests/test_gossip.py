@@ -161,27 +161,16 @@ def test_sgp_state_holds_weight_and_messages_in_flight():
 
 @pytest.mark.parametrize("name", ["sgp", "osgp", "dpsgd", "adpsgd"])
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch, name):
-    import gossamer.train.loop as loop
+    from resume_helpers import straight_and_resumed
+
     from gossamer.train import checkpoint as ckpt
 
-    cfg = dict(sim=4, steps=30, eval_every=10, checkpoint_every=10, algorithm=name,
-               quiet=True)
-    run_training(TrainConfig(run_dir=str(tmp_path / "a"), **cfg))
-    real = loop.learning_rate
-
-    def crash(config, step):
-        if step == 15:
-            raise RuntimeError("stopped at step 15")
-        return real(config, step)
-
-    monkeypatch.setattr(loop, "learning_rate", crash)
-    with pytest.raises(Exception, match="stopped"):
-        run_training(TrainConfig(run_dir=str(tmp_path / "b"), **cfg))
-    monkeypatch.undo()
-    run_training(TrainConfig(run_dir=str(tmp_path / "b"), resume=True, **cfg))
+    straight, stopped, _ = straight_and_resumed(
+        monkeypatch, tmp_path, 15, sim=4, steps=30, eval_every=10, checkpoint_every=10,
+        algorithm=name, quiet=True)
     for rank in range(4):
-        a = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "a") / f"rank-{rank:05d}.pt")
-        b = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "b") / f"rank-{rank:05d}.pt")
+        a = ckpt.safe_load(ckpt.latest_checkpoint(straight) / f"rank-{rank:05d}.pt")
+        b = ckpt.safe_load(ckpt.latest_checkpoint(stopped) / f"rank-{rank:05d}.pt")
         for key in a["model"]:
             assert torch.equal(a["model"][key], b["model"][key]), (rank, key)
 

@@ -178,24 +178,13 @@ def test_train_on_digits(name):
 
 
 def test_resume_keeps_the_h_sequence(tmp_path, monkeypatch):
-    import gossamer.train.loop as loop
+    from resume_helpers import straight_and_resumed
+
     from gossamer.train import checkpoint as ckpt
 
-    cfg = dict(sim=2, steps=60, eval_every=20, checkpoint_every=20, algorithm="qsr",
-               options={"alpha": "0.1"}, schedule="cosine", lr=0.2, quiet=True)
-    run_training(TrainConfig(run_dir=str(tmp_path / "a"), **cfg))
-    real = loop.learning_rate
-
-    def crash(config, step):
-        if step == 30:
-            raise RuntimeError("stopped at step 30")
-        return real(config, step)
-
-    monkeypatch.setattr(loop, "learning_rate", crash)
-    with pytest.raises(Exception, match="stopped"):
-        run_training(TrainConfig(run_dir=str(tmp_path / "b"), **cfg))
-    monkeypatch.undo()
-    run_training(TrainConfig(run_dir=str(tmp_path / "b"), resume=True, **cfg))
+    straight_and_resumed(
+        monkeypatch, tmp_path, 30, sim=2, steps=60, eval_every=20, checkpoint_every=20,
+        algorithm="qsr", options={"alpha": "0.1"}, schedule="cosine", lr=0.2, quiet=True)
     a = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "a") / "rank-00000.pt")
     b = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "b") / "rank-00000.pt")
     assert a["algorithm"]["periods"] == b["algorithm"]["periods"]

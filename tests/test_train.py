@@ -98,19 +98,7 @@ def _final_model(run_dir: Path) -> dict:
     return ckpt.safe_load(path / "shared.pt")["model"]
 
 
-class Crash(RuntimeError):
-    pass
-
-
-def _crash_at(step_to_crash: int):
-    real = loop.learning_rate
-
-    def crashing(config, step):
-        if step == step_to_crash:
-            raise Crash(f"stopped at step {step}")
-        return real(config, step)
-
-    return crashing
+from resume_helpers import crash_at as _crash_at  # noqa: E402
 
 
 def test_resume_in_simulator_equals_uninterrupted(tmp_path, monkeypatch):
