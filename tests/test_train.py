@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_helpers import crash_at as _crash_at
 
 import gossamer.train.loop as loop
 from gossamer.cli import main
@@ -98,7 +99,6 @@ def _final_model(run_dir: Path) -> dict:
     return ckpt.safe_load(path / "shared.pt")["model"]
 
 
-from resume_helpers import crash_at as _crash_at  # noqa: E402
 
 
 def test_resume_in_simulator_equals_uninterrupted(tmp_path, monkeypatch):
