@@ -290,3 +290,13 @@ def test_tensorboard_needs_run_dir_and_package(tmp_path, capsys):
         assert main(["train", "--steps", "2", "--quiet", "--tensorboard",
                      "--run-dir", str(tmp_path)]) == 0
         assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_resume_refuses_other_settings_and_old_checkpoints_are_pruned(tmp_path):
+    run_training(small(tmp_path, steps=40, checkpoint_every=10, keep_checkpoints=2))
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert kept == ["step-00000030", "step-00000040"]
+    with pytest.raises(ValueError, match=r"lr=0\.05 \(now 0\.1\)"):
+        run_training(small(tmp_path, steps=40, checkpoint_every=10, lr=0.1, resume=True))
+    # what changes no trajectory may differ
+    run_training(small(tmp_path, steps=40, checkpoint_every=10, resume=True, eval_every=20))

@@ -57,9 +57,10 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 
 def save_checkpoint(
     comm: Communicator, run_dir: str | Path, step: int, shard: dict[str, Any],
-    shared: dict[str, Any] | None = None,
+    shared: dict[str, Any] | None = None, keep: int = 0,
 ) -> Path:
-    """Save this worker's ``shard`` (and rank 0's ``shared``) as the checkpoint of ``step``.
+    """Save this worker's ``shard`` (and rank 0's ``shared``) as the checkpoint of ``step``;
+    keep the newest ``keep`` checkpoints (0: all).
 
     Collective: every worker calls it. Returns the checkpoint's directory.
     """
@@ -80,6 +81,10 @@ def save_checkpoint(
         os.replace(tmp, final)
         _fsync_dir(root)
         atomic_write_bytes(root / "latest", final.name.encode())
+        if keep:  # only after `latest` moved: an older one is never the only complete one
+            complete = sorted(p for p in root.glob("step-*") if p.suffix != ".tmp")
+            for old in complete[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     comm.barrier()  # nobody goes on (and maybe crashes) before `latest` moved
     return final
 

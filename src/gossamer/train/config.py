@@ -56,6 +56,7 @@ class TrainConfig:
     log_every: int = 10  # steps between train-loss records
     run_dir: str | None = None  # where config, metrics, checkpoints and plots go
     checkpoint_every: int = 0  # steps between checkpoints (0: none); needs run_dir
+    keep_checkpoints: int = 3  # newest checkpoints kept on disk (0: all)
     resume: bool = False  # continue from run_dir's latest checkpoint
     tensorboard: bool = False  # also log to TensorBoard in run_dir/tensorboard
     # simulator (sim > 0)
@@ -71,7 +72,8 @@ class TrainConfig:
 
         for name in ("steps", "batch_size", "accumulation", "block_size", "log_every"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("eval_every", "sim", "seed", "checkpoint_every", "warmup_steps"):
+        for name in ("eval_every", "sim", "seed", "checkpoint_every", "warmup_steps",
+                     "keep_checkpoints"):
             _check_int(name, getattr(self, name), minimum=0)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("schedule", self.schedule, SCHEDULES)

@@ -371,10 +371,11 @@ def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> N
         "offsets": {"bytes": sent, "messages": messages, "time": clock},
     }
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    keep = config.keep_checkpoints
     if runtime.replicas_identical:
-        ckpt.save_checkpoint(comm, config.run_dir, step, shard, shared=state)
+        ckpt.save_checkpoint(comm, config.run_dir, step, shard, shared=state, keep=keep)
     else:
-        ckpt.save_checkpoint(comm, config.run_dir, step, {**shard, **state})
+        ckpt.save_checkpoint(comm, config.run_dir, step, {**shard, **state}, keep=keep)
 
 
 def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
@@ -400,6 +401,34 @@ def prepare(config: TrainConfig) -> Dataset:
     dataset = load_dataset(config.dataset, seed=0, path=config.data_path, **options)
     build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     return dataset
+
+
+# Settings that may differ between a run and its resumption: they change no trajectory, except
+# steps, which may be raised to train longer (a cosine schedule then stretches).
+_FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers", "log_every",
+                   "checkpoint_every", "keep_checkpoints", "timeout", "run_dir", "world_size",
+                   "steps"}
+
+
+def check_resume(config: TrainConfig) -> None:
+    """A resumed run must have a checkpoint and the settings it was started with."""
+    import yaml
+
+    if ckpt.latest_checkpoint(config.run_dir) is None:
+        raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
+    path = Path(config.run_dir) / "config.yaml"
+    if not path.is_file():
+        return
+    started = yaml.safe_load(path.read_text()) or {}
+    now = {**config.as_dict(), "model": resolve_model(config)}
+    differ = [k for k in sorted(started) if k not in _FREE_ON_RESUME and k in now
+              and started[k] != now[k]]
+    if differ:
+        changes = ", ".join(f"{k}={started[k]!r} (now {now[k]!r})" for k in differ)
+        raise ValueError(
+            f"resume: run_dir {config.run_dir!r} was started with {changes}; pass the same "
+            "settings to resume, or start a new run_dir"
+        )
 
 
 def check_shards(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
@@ -435,8 +464,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     ``world_size`` and ``history`` (rank 0's eval records) added.
     """
     dataset = prepare(config)
-    if config.resume and ckpt.latest_checkpoint(config.run_dir) is None:
-        raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
+    if config.resume:
+        check_resume(config)
     if config.sim > 0:
         from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 
