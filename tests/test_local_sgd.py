@@ -191,3 +191,49 @@ def test_resume_keeps_the_h_sequence(tmp_path, monkeypatch):
     assert len(a["algorithm"]["periods"]) > 3
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key])
+
+
+def test_batchnorm_reestimation_after_the_final_average():
+    from gossamer.algorithms.local_sgd import reestimate_batchnorm
+
+    def batches(rank):
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(16, 4, generator=g) * (rank + 1) + rank for _ in range(3)]
+
+    def worker(comm):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        with torch.no_grad():
+            model[0].weight.copy_(torch.eye(4))
+            model[0].bias.zero_()
+        assert reestimate_batchnorm(comm, model, batches(comm.rank))
+        assert not reestimate_batchnorm(comm, nn.Linear(2, 2), [])
+        return model[1].running_mean.clone(), model[1].running_var.clone()
+
+    results = SimWorld(3).run(worker)
+    expected_mean = sum(torch.stack([b.mean(0) for b in batches(r)]).mean(0)
+                        for r in range(3)) / 3
+    expected_var = sum(torch.stack([b.var(0) for b in batches(r)]).mean(0)
+                       for r in range(3)) / 3
+    for mean, var in results:
+        assert torch.allclose(mean, expected_mean, atol=1e-5)
+        assert torch.allclose(var, expected_var, atol=1e-4)
+
+
+def test_reestimation_runs_in_training(tmp_path):
+    from test_data import write_cifar
+
+    write_cifar(tmp_path / "cifar", n=8)
+
+    def run(batches: int) -> dict:
+        return run_training(TrainConfig(
+            sim=2, steps=4, batch_size=4, dataset="cifar10", data_path=str(tmp_path / "cifar"),
+            algorithm="localsgd", lr=0.01, quiet=True, eval_every=0,
+            options={"period": "2", "average_buffers": "false",
+                     "reestimate_batchnorm": str(batches)}))
+
+    # BatchNorm statistics kept local: the workers score differently ...
+    local = run(0)
+    assert local["worker_eval_loss"][0] != local["worker_eval_loss"][1]
+    # ... re-estimated and averaged after the final average: they score the same
+    reestimated = run(2)
+    assert reestimated["worker_eval_loss"][0] == reestimated["worker_eval_loss"][1]

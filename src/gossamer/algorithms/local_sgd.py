@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.base import Algorithm, Runtime, average_tensors, model_tensors
+from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
 from gossamer.comm.base import Communicator
 
 
@@ -54,6 +54,9 @@ class LocalSGD(Algorithm):
             momentum buffers or Adam's moments (default False).
         average_buffers: average floating-point buffers (BatchNorm statistics) with the
             parameters (default True); False keeps them local.
+        reestimate_batchnorm: after the final average, re-estimate BatchNorm statistics on
+            this many minibatches of each worker and average them (default 0: no). The
+            training loop does it (it has the data); see ``reestimate_batchnorm()``.
         average_at_end: exact average after the last step (default True).
     """
 
@@ -65,11 +68,13 @@ class LocalSGD(Algorithm):
     warmup_steps: int = 0  # steps that average every step first (post-local SGD)
     average_optimizer_state: bool = False  # also average momentum / Adam moments
     average_buffers: bool = True  # BatchNorm statistics averaged with the parameters
+    reestimate_batchnorm: int = 0  # batches to re-estimate BatchNorm statistics at the end
     average_at_end: bool = True  # all replicas equal after the last step
 
     def __post_init__(self) -> None:
         _check_int("period", self.period, 1)
         _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
 
     def next_period(self, lr: float) -> int:
         """H after an average, given the learning rate at that moment."""
@@ -165,8 +170,8 @@ class LocalSGDRuntime(Runtime):
 
     @torch.no_grad()
     def average_parameters(self) -> None:
-        average_tensors(self.comm, model_tensors(self.model))
-        self.synchronizations += 1
+        """The exact average, of what the options say (buffers, optimizer state)."""
+        self._average()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "next_average": self.next_average,
@@ -192,3 +197,29 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
                         and value.dim() > 0:
                     tensors.append(value)
     return tensors
+
+
+@torch.no_grad()
+def reestimate_batchnorm(comm: Communicator, model: nn.Module, batches) -> bool:
+    """Recompute BatchNorm running statistics of ``model`` from ``batches`` (an iterable of
+    inputs), as the cumulative average over them, then average them over the workers.
+
+    Collective. Returns False (and does nothing) when the model has no BatchNorm layer.
+    Reference: the "BN re-estimation" of Gu et al. (ICLR 2024), Appendix.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return False
+    saved = [(m, m.momentum) for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative moving average: every batch weighs the same
+    was_training = model.training
+    model.train()
+    for x in batches:
+        model(x)
+    model.train(was_training)
+    for m, momentum in saved:
+        m.momentum = momentum
+    average_tensors(comm, [b for m in norms for b in (m.running_mean, m.running_var)])
+    return True

@@ -268,6 +268,13 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         done = step + 1
         if done == config.steps:
             optimizer.finish()
+            batches = getattr(runtime.config, "reestimate_batchnorm", 0) \
+                if hasattr(runtime, "config") else 0
+            if batches:
+                from gossamer.algorithms.local_sgd import reestimate_batchnorm
+
+                reestimate_batchnorm(comm, model, (
+                    dataset.x_train[sampler.next_batch()].to(device) for _ in range(batches)))
         window_loss, window_count = window_loss + step_loss, window_count + 1
         if not math.isfinite(step_loss):
             raise FloatingPointError(f"rank {comm.rank}: the loss became {step_loss} at step "
