@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
-from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.buckets import apply_flat
 from gossamer.comm.base import Communicator
 
 
@@ -138,9 +138,4 @@ def distribute(
 @torch.no_grad()
 def broadcast_model(comm: Communicator, model: nn.Module, src: int = 0) -> None:
     """Copy rank ``src``'s parameters and floating-point buffers to every worker."""
-    tensors = model_tensors(model)
-    buckets = Buckets(tensors, bucket_bytes=None)
-    buckets.gather(tensors)
-    for buffer in buckets.buffers:
-        comm.broadcast(buffer, src=src)
-    buckets.scatter(tensors)
+    apply_flat(model_tensors(model), lambda buffer: comm.broadcast(buffer, src=src))

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gossamer.algorithms.buckets import apply_flat
 from gossamer.comm.base import Communicator
 
 
@@ -104,10 +105,4 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def average_tensors(comm: Communicator, tensors: list[torch.Tensor]) -> None:
     """Replace each tensor by its exact mean over all workers, with one all-reduce per dtype."""
-    from gossamer.algorithms.buckets import Buckets
-
-    buckets = Buckets(tensors, bucket_bytes=None)
-    buckets.gather(tensors)
-    for buffer in buckets.buffers:
-        comm.all_reduce(buffer, op="mean")
-    buckets.scatter(tensors)
+    apply_flat(tensors, lambda buffer: comm.all_reduce(buffer, op="mean"))

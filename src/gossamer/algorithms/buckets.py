@@ -3,7 +3,7 @@ moves them all (fewer messages, so less latency paid)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -71,3 +71,15 @@ class Buckets:
         """Copy the buckets back into ``tensors``."""
         for view, t in zip(self.views, tensors, strict=True):
             t.copy_(view)
+
+
+@torch.no_grad()
+def apply_flat(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], object]) -> None:
+    """Pack ``tensors`` into one flat buffer per dtype and device, let ``fn`` change each
+    buffer in place (e.g. a collective), and copy the result back: one message per dtype
+    instead of one per tensor."""
+    buckets = Buckets(tensors, bucket_bytes=None)
+    buckets.gather(tensors)
+    for buffer in buckets.buffers:
+        fn(buffer)
+    buckets.scatter(tensors)

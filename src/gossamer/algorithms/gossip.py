@@ -12,13 +12,9 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
 from gossamer.algorithms.buckets import Buckets
+from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.topology import Topology, build
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +34,7 @@ class GossipAlgorithm(Algorithm):
             object.__setattr__(self, "topology", self.default_topology)
         if not isinstance(self.topology, (str, Topology)):
             raise ValueError(f"topology must be a name or a Topology, got {self.topology!r}")
-        _check_int("allreduce_every", self.allreduce_every, 0)
+        check_int("allreduce_every", self.allreduce_every, 0)
 
     def topology_options(self) -> dict[str, object]:
         """Options passed to the topology builder (by name)."""

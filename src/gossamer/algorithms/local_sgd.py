@@ -35,12 +35,8 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
+from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,9 +68,9 @@ class LocalSGD(Algorithm):
     average_at_end: bool = True  # all replicas equal after the last step
 
     def __post_init__(self) -> None:
-        _check_int("period", self.period, 1)
-        _check_int("warmup_steps", self.warmup_steps, 0)
-        _check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
+        check_int("period", self.period, 1)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
 
     def next_period(self, lr: float) -> int:
         """H after an average, given the learning rate at that moment."""

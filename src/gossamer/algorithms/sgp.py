@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime, _check_int
+from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.algorithms.pushsum import push_message, push_sum_send
+from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, Handle
 from gossamer.topology import Topology
 
@@ -55,8 +56,8 @@ class SGP(GossipAlgorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("peers_per_step", self.peers_per_step, 1)
-        _check_int("tau", self.tau, 0)
+        check_int("peers_per_step", self.peers_per_step, 1)
+        check_int("tau", self.tau, 0)
 
     def topology_options(self) -> dict[str, object]:
         if self.topology == "exponential":

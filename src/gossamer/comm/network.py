@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-def check_positive(name: str, value: float, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+from gossamer.checks import check_positive
 
 
 @dataclass(frozen=True, kw_only=True)

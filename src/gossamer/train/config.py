@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossamer.checks import check_int, check_positive
+
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 PARTITIONS = ("iid", "dirichlet")
@@ -68,13 +70,11 @@ class TrainConfig:
     quiet: bool = False  # no progress bar, summary only
 
     def __post_init__(self) -> None:
-        from gossamer.comm.network import check_positive
-
         for name in ("steps", "batch_size", "accumulation", "block_size", "log_every"):
-            _check_int(name, getattr(self, name), minimum=1)
+            check_int(name, getattr(self, name), minimum=1)
         for name in ("eval_every", "sim", "seed", "checkpoint_every", "warmup_steps",
                      "keep_checkpoints"):
-            _check_int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("partition", self.partition, PARTITIONS)
@@ -109,11 +109,6 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -120,10 +120,10 @@ class _Metrics:
             return
         path = Path(config.run_dir) / "metrics.jsonl"
         if resume_step:  # drop what the interrupted run recorded after its checkpoint
-            kept = [line for line in _read_lines(path)
-                    if json.loads(line).get("step", 0) <= resume_step
-                    and json.loads(line).get("kind") != "summary"]
-            path.write_text("".join(line + "\n" for line in kept))
+            records = [json.loads(line) for line in _read_lines(path)]
+            kept = [r for r in records
+                    if r.get("step", 0) <= resume_step and r.get("kind") != "summary"]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         else:
             path.write_text("")
         self.file = path.open("a")
