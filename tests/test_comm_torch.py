@@ -194,6 +194,41 @@ def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
+def _polls_a_receive() -> list[bool]:
+    """Rank 0 posts a receive and polls it; rank 1 sends after a while."""
+    import time
+
+    from gossamer.comm import TorchCommunicator
+
+    comm = TorchCommunicator.from_env(timeout=30)
+    try:
+        polls = []
+        if comm.rank == 0:
+            handle = comm.exchange({}, [1], recv_like=torch.zeros(1000))
+            polls.append(handle.ready())  # nothing sent yet
+            deadline = time.monotonic() + 20
+            while not handle.ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            polls.append(handle.ready())
+            polls.append(bool(torch.equal(handle.wait()[1], torch.arange(1000.0))))
+        else:
+            time.sleep(0.5)
+            comm.exchange({0: torch.arange(1000.0)}, []).wait()
+        comm.barrier()
+        return polls
+    finally:
+        comm.close()
+
+
+@pytest.mark.gloo
+def test_ready_reports_an_arrived_message_without_waiting() -> None:
+    """gloo itself says a receive is complete only once waited for; ready() must not."""
+    from gossamer.testing import spawn_gloo
+
+    polls = spawn_gloo(_polls_a_receive, 2, timeout=60)[0]
+    assert polls == [False, True, True]
+
+
 def _fails_on_rank_1() -> int:
     if int(os.environ["RANK"]) == 1:
         raise ValueError("boom on purpose")

@@ -97,7 +97,11 @@ class ADPSGDRuntime(GossipRuntime):
         if self.active:
             self._request(x)
         self.write_parameters(x)
+        # replies (passive) are matched by the receive each request posted, so waiting for
+        # the older ones returns; gloo reports a send complete only once waited for
         self.sending = [h for h in self.sending if not h.ready()]
+        while len(self.sending) > len(self.neighbors):
+            self.sending.pop(0).wait()
         self.periodic_average()
 
     def _take_replies(self, x: torch.Tensor, block: bool) -> torch.Tensor:

@@ -279,15 +279,30 @@ class _Heartbeat:
 # --------------------------------------------------------------------------------------------
 
 
+def _tail(buffer: torch.Tensor) -> torch.Tensor:
+    """The last 8 bytes of a contiguous CPU tensor (a view)."""
+    return buffer.view(-1).view(torch.uint8)[-8:]
+
+
 class _Exchange:
-    """The handle of :meth:`TorchCommunicator.exchange`; ``wait()`` is idempotent."""
+    """The handle of :meth:`TorchCommunicator.exchange`; ``wait()`` is idempotent.
+
+    gloo reports a point-to-point operation complete only once it has been waited for, even
+    when the data is there, so ``ready()`` cannot ask it. Instead each CPU receive buffer
+    ends with a random 8-byte sentinel written before the receive is posted: gloo writes a
+    message into the buffer in order, so the message is complete when its last bytes
+    differ from the sentinel (a message ending in exactly those 8 bytes, a chance of 2^-64,
+    would be seen only at the next ``wait()``). A gloo send is never reported ready.
+    """
 
     def __init__(self, comm: TorchCommunicator, label: str, peers: list[int], works: list,
-                 sends: list[torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+                 sends: list[torch.Tensor], recvs: dict[int, torch.Tensor],
+                 sentinels: dict[int, torch.Tensor] | None = None) -> None:
         self._comm, self._label, self._peers = comm, label, peers
         self._works = works
         self._sends = sends  # kept alive until the sends completed
         self._recvs = recvs
+        self._sentinels = sentinels or {}  # peer -> the 8 bytes its message must overwrite
         self._result: dict[int, torch.Tensor] | None = None
         self._error: CommError | None = None
 
@@ -295,7 +310,12 @@ class _Exchange:
         """Whether ``wait()`` would return at once (never blocks)."""
         if self._result is not None or self._error is not None:
             return True
-        return all(work.is_completed() for work in self._works)
+        if all(work.is_completed() for work in self._works):
+            return True
+        if self._sends or not self._sentinels:
+            return False
+        return all(not torch.equal(_tail(self._recvs[peer]), sentinel)
+                   for peer, sentinel in self._sentinels.items())
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is not None:
@@ -357,6 +377,8 @@ class TorchCommunicator:
         self._world_size = dist.get_world_size(self._group)
         self._global_ranks = list(dist.get_process_group_ranks(self._group))
         self._backend = str(dist.get_backend(self._group))
+        # the sentinels of receive buffers (see _Exchange); never the global RNG
+        self._sentinel_rng = torch.Generator().manual_seed(0x5E17 + self._rank)
         self._timeout = float(timeout)
         self._stats = CommStats()
         self._t0 = time.perf_counter()
@@ -571,6 +593,7 @@ class TorchCommunicator:
         peers = sorted(set(sends) | set(recv_from))
         works, kept = [], []
         recvs: dict[int, torch.Tensor] = {}
+        sentinels: dict[int, torch.Tensor] = {}
         deadline = time.perf_counter() + self._timeout
         try:
             for peer, t in sends.items():
@@ -581,13 +604,18 @@ class TorchCommunicator:
                 assert like is not None  # check_exchange guarantees it
                 buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
                 recvs[peer] = buf
+                if buf.device.type == "cpu" and buf.numel() * buf.element_size() >= 8:
+                    sentinels[peer] = torch.randint(0, 256, (8,), dtype=torch.uint8,
+                                                    generator=self._sentinel_rng)
+                    _tail(buf).copy_(sentinels[peer])
                 works.append(dist.irecv(buf, self._global_ranks[peer], group=self._group))
         except dist.DistError as exc:
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
         for peer, t in sends.items():
             self._stats.record_send(peer, tensor_nbytes(t))
         self._stats.operations["exchange"] += 1
-        return _Exchange(self, label, peers, [w for w in works if w is not None], kept, recvs)
+        return _Exchange(self, label, peers, [w for w in works if w is not None], kept, recvs,
+                         sentinels)
 
     def group(self, ranks: Sequence[int]) -> Communicator:
         """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`."""

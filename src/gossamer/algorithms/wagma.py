@@ -1,0 +1,384 @@
+"""WAGMA-SGD: wait-avoiding group model averaging with bounded staleness.
+
+After each local optimizer step a worker averages its parameters inside a group of
+``group_size`` workers. The groups change every round (butterfly strides by default, so that
+information from every worker reaches every other within log_g(n) rounds), and every
+``allreduce_every`` rounds all workers average exactly (a global barrier).
+
+Wait-avoiding (``tau >= 1``): a worker does not wait for its group. When it has finished its
+step it averages at once with the *latest published parameters* of the other members, that
+is what each member sent after finishing its previous round, and then publishes its own result
+to its next group. A member still computing is thereby represented by its parameters of one
+round before (age 1). A contribution is never older than ``tau`` rounds: a worker waits only
+for a member more than ``tau`` rounds behind. A worker that finds, from the round numbers on
+the messages it received, that others have gone ahead, skips the rounds it missed and
+continues at the front (the others already averaged with its older parameters for those
+rounds); before it averages it publishes its current parameters to the members of the groups
+of the rounds it skipped, so nobody can wait for it forever. With ``tau = 0`` every group
+exchanges the parameters of the same round: synchronous group averaging.
+
+So a straggler that is k times slower than the rest is hidden when ``tau >= k - 1``: the fast
+workers run up to ``tau`` rounds ahead of its last published parameters before they wait, and
+it jumps forward by as much when it catches up. With smaller ``tau`` the fast workers wait
+part of the time (the staleness bound is what makes them wait).
+
+Each publication goes to the other ``group_size - 1`` members of one group: ``group_size - 1``
+model copies per worker and round (a group all-reduce would send ``2 (g-1)/g``, but needs
+every member at once). In the simulator the order of events follows virtual time; on gloo the
+same code polls non-blocking receives, so a fast worker never waits for a slow one within the
+staleness bound.
+
+Reference: Li, Ben-Nun, Nadiradze, Di Girolamo, Dryden, Alistarh, Hoefler, "Breaking (Global)
+Barriers in Parallel Stochastic Optimization with Wait-Avoiding Group Averaging" (IEEE TPDS
+2021).
+
+Example::
+
+    optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    WAGMA(group_size=4, tau=1, allreduce_every=10), comm)
+    # the loop is unchanged; optimizer.finish() after the last step settles and averages
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
+from gossamer.checks import check_int
+from gossamer.comm.base import Communicator, Handle
+
+# message kinds (the second of the three int64 values after the parameters)
+_DATA = 0  # parameters published after a round
+_HOLD = 1  # the sender pauses (evaluation, checkpoint, end): use these until it publishes
+_CLOSE = 2  # the sender closes the channel (settle); the parameters are its current ones
+_TRAILER = 24  # bytes after the parameters: stamp, kind, acknowledgement (int64 each)
+_INITIAL = -1  # the stamp of the initial parameters (equal on every worker)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WAGMA(GossipAlgorithm):
+    """Wait-avoiding group model averaging (WAGMA-SGD).
+
+    Args:
+        group_size: g, workers per group (default 4); must divide the number of workers.
+        tau: the staleness bound in rounds (default 1): a member's contribution is at most
+            this many rounds old. 0: synchronous group averaging (every member waits for the
+            others' parameters of the same round).
+        allreduce_every: K, an exact average of all every K rounds (default 10; 0: never).
+        topology: the groups of each round, as the connected components of a topology
+            (default ``"butterfly_groups"`` with ``group_size``).
+        average_before_eval: exact average before each evaluation (default False).
+        average_at_end: exact average after the last step (default True).
+    """
+
+    name: ClassVar[str] = "wagma"
+    default_topology: ClassVar[str] = "butterfly_groups"
+
+    group_size: int = 4  # higher: groups average more workers, more bytes per round
+    tau: int = 1  # higher: hides slower stragglers, staler contributions
+    allreduce_every: int = 10  # lower: closer replicas, more global barriers
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("group_size", self.group_size, 1)
+        check_int("tau", self.tau, 0)
+
+    def topology_options(self) -> dict[str, object]:
+        return {"group_size": self.group_size}
+
+    def validate(self, world_size: int) -> None:
+        if isinstance(self.topology, str) and world_size % self.group_size:
+            raise ValueError(f"group_size={self.group_size} does not divide the number of "
+                             f"workers {world_size}")
+        super().validate(world_size)
+
+    def bind(self, comm: Communicator, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> WAGMARuntime:
+        self.validate(comm.world_size)
+        return WAGMARuntime(self, comm, model, optimizer)
+
+
+class WAGMARuntime(GossipRuntime):
+    """One worker of WAGMA: its round, the latest parameters published to it by each
+    partner, and the receives and sends it has in flight."""
+
+    def __init__(self, config: WAGMA, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(config, comm, model, optimizer)
+        self.config: WAGMA = config
+        topo, rank = self.topology, comm.rank
+        #: every worker this one is grouped with in some round
+        self.partners = sorted({j for p in range(topo.period) for j in self._group_of(p)}
+                               - {rank})
+        flat = self.flat.buffers[0]
+        self._dtype, self._numel = flat.dtype, flat.numel()
+        self._like = torch.empty(self._numel * flat.element_size() + _TRAILER,
+                                 dtype=torch.uint8)
+        # internal state
+        self.round = 0  # the next round this worker executes
+        self._waited = False  # whether the last group average waited for a member
+        initial = self.read_parameters()  # equal on every worker (distribute broadcasts)
+        self.latest: dict[int, tuple[int, torch.Tensor]] = {
+            m: (_INITIAL, initial) for m in self.partners}
+        self.held: set[int] = set()  # partners paused (see pause()) at their latest parameters
+        # receives posted for each open partner, oldest first: tau + 1 of them, so that a
+        # worker busy computing can receive as many rounds as others may run ahead
+        self.window = config.tau + 1
+        self.posted: dict[int, deque[Handle]] = {}
+        self.outbox: dict[int, deque[tuple[int, Handle]]] = {}  # sends kept, per partner
+        self.sent: dict[int, int] = {}  # messages sent to each partner
+        self.taken: dict[int, int] = {}  # messages taken from each partner
+        self.acked: dict[int, int] = {}  # of ours, the most each partner said it has taken
+        self.open = False  # whether receives are posted (settle() closes them)
+        # statistics
+        self.group_averages = 0  # rounds averaged in a group
+        self.rounds_skipped = 0  # rounds this worker jumped over to catch up
+        self.waits = 0  # times a member was more than tau rounds behind
+        self.ages: Counter[int] = Counter()  # contribution age (rounds) -> count
+        if self.asynchronous:
+            self._post_receives()
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether rounds may differ between workers (tau >= 1 and more than one worker)."""
+        return self.config.tau > 0 and self.comm.world_size > 1
+
+    # ---- the schedule
+    def _group_of(self, round_: int) -> list[int]:
+        rank = self.comm.rank
+        return next(g for g in self.topology.groups(round_) if rank in g)
+
+    def groups(self, round_: int) -> list[list[int]]:
+        """Every group of ``round_`` (they partition the ranks)."""
+        return self.topology.groups(round_)
+
+    def is_global(self, round_: int) -> bool:
+        """Whether ``round_`` is an exact average of all."""
+        every = self.config.allreduce_every
+        return bool(every) and (round_ + 1) % every == 0
+
+    def _next_global(self) -> int:
+        every = self.config.allreduce_every
+        return self.round + (every - 1 - self.round % every)
+
+    # ---- messages: the flat parameters, then three int64: the round stamp, the kind, and
+    # how many messages the sender has taken from the receiver (an acknowledgement)
+    def _post_receives(self) -> None:
+        self.posted = {m: deque(self.comm.exchange({}, [m], recv_like=self._like)
+                                for _ in range(self.window)) for m in self.partners}
+        self.outbox = {m: deque() for m in self.partners}
+        self.sent = dict.fromkeys(self.partners, 0)
+        self.taken = dict.fromkeys(self.partners, 0)
+        self.acked = dict.fromkeys(self.partners, 0)
+        self.open = True
+
+    def _take(self, peer: int) -> None:
+        """Complete the oldest receive from ``peer`` and keep what it says."""
+        message = self.posted[peer].popleft().wait()[peer]
+        stamp, kind, acked = (int(v) for v in message[-_TRAILER:].view(torch.int64))
+        x = message[:-_TRAILER].view(self._dtype).clone()
+        self.taken[peer] += 1
+        self.acked[peer] = max(self.acked[peer], acked)
+        if kind == _CLOSE:  # the sender closes every receive posted for it
+            for handle in self.posted.pop(peer):
+                handle.wait()
+        else:
+            self.posted[peer].append(self.comm.exchange({}, [peer], recv_like=self._like))
+        if kind == _HOLD:  # paused: these are its current parameters until it resumes
+            self.held.add(peer)
+            self.latest[peer] = (max(stamp, self.latest[peer][0]), x)
+        elif stamp > self.latest[peer][0]:
+            self.latest[peer] = (stamp, x)
+        self._release(peer)
+
+    def _release(self, peer: int) -> None:
+        """Forget the sends to ``peer`` known to be complete. gloo reports a send complete
+        only once waited for, and waiting for one the peer has no receive posted for could
+        wait for ever; but the peer keeps ``window`` receives posted beyond the messages it
+        has acknowledged, so those sends are matched and their wait returns."""
+        box = self.outbox[peer]
+        while box and (box[0][0] <= self.acked[peer] + self.window or box[0][1].ready()):
+            box.popleft()[1].wait()
+
+    def _drain(self) -> None:
+        """Take every message that has arrived (never blocks)."""
+        for peer in list(self.posted):
+            while peer in self.posted and self.posted[peer][0].ready():
+                self._take(peer)
+
+    def _send(self, x: torch.Tensor, stamp: int, kind: int, peers: Iterable[int]) -> None:
+        payload = x.view(torch.uint8)
+        for m in sorted(set(peers) - {self.comm.rank}):
+            trailer = torch.tensor([stamp, kind, self.taken[m]]).view(torch.uint8)
+            self.sent[m] += 1
+            handle = self.comm.exchange({m: torch.cat([payload, trailer])}, [])
+            self.outbox[m].append((self.sent[m], handle))
+            self._release(m)
+
+    def _publish(self, x: torch.Tensor, stamp: int, rounds: Iterable[int]) -> None:
+        """Send ``x`` stamped ``stamp`` to the other members of the groups of ``rounds``."""
+        self._send(x, stamp, _DATA, {m for r in rounds for m in self._group_of(r)})
+
+    # ---- a step
+    @torch.no_grad()
+    def after_step(self) -> None:
+        x = self.read_parameters()
+        q = self.round
+        if self.asynchronous:
+            self._drain()
+            q = self._target_round()
+            if q > self.round:  # catch up; members of the skipped rounds may wait for us
+                self.rounds_skipped += q - self.round
+                last = q if self.is_global(q) else q + 1
+                self._publish(x, q - 1, range(self.round + 1, last))
+        if self.is_global(q):
+            x = self._global_average(x, q, done=False)[0]
+        elif not self.asynchronous:
+            x = self._synchronous_average(x, q)
+        else:
+            x = self._average(x, q)
+            self._publish(x, q, [q + 1])
+        self.write_parameters(x)
+        self.round = q + 1
+
+    def _target_round(self) -> int:
+        """The round to execute: this worker's next one; or, when the newest round a partner
+        has finished is tau or more rounds ahead of it (so that others wait for this
+        worker) and this worker did not itself wait in its last round, the round after that
+        one: it skips to the front. Never past a global round."""
+        newest = max((self.latest[m][0] for m in self.partners if m not in self.held),
+                     default=_INITIAL)
+        if newest + 1 - self.round >= max(self.config.tau, 1) and not self._waited:
+            q = newest + 1  # others wait for us: skip to the front
+        else:
+            q = self.round
+        if self.config.allreduce_every:
+            q = min(q, self._next_global())
+        return q
+
+    def _average(self, x: torch.Tensor, q: int) -> torch.Tensor:
+        """x averaged with the latest published parameters of round ``q``'s group, waiting
+        for a member only while its newest is more than tau rounds old."""
+        members = [m for m in self._group_of(q) if m != self.comm.rank]
+        oldest = q - self.config.tau
+        total = x.clone()
+        self._waited = False
+        for m in members:
+            if self.latest[m][0] < oldest and m not in self.held:
+                self.waits += 1
+                self._waited = True
+                while self.latest[m][0] < oldest and m not in self.held:
+                    self._take(m)
+            stamp, contribution = self.latest[m]
+            # a paused member's parameters are its current ones: not stale
+            self.ages[0 if m in self.held else max(q - stamp, 0)] += 1
+            total += contribution
+        self.group_averages += 1
+        return total / (len(members) + 1)
+
+    def _synchronous_average(self, x: torch.Tensor, q: int) -> torch.Tensor:
+        members = [m for m in self._group_of(q) if m != self.comm.rank]
+        if not members:
+            return x
+        received = self.comm.exchange({m: x for m in members}, members).wait()
+        total = x.clone()
+        for m in members:
+            total += received[m]
+        self.ages[0] += len(members)
+        self.group_averages += 1
+        return total / (len(members) + 1)
+
+    def _global_average(self, x: torch.Tensor, q: int, done: bool) -> tuple[torch.Tensor, bool]:
+        """Round ``q``'s exact average of all; ``done`` says this worker is paused. Returns
+        the average and whether every worker was paused."""
+        if self.asynchronous:  # one more element: the fraction of paused workers
+            buffer = torch.cat([x, x.new_tensor([1.0 if done else 0.0])])
+            self.comm.all_reduce(buffer, op="mean")
+            x, all_done = buffer[:-1], bool(buffer[-1] == 1.0)
+            for m in self.partners:  # every partner now holds exactly x
+                self.latest[m] = (q, x)
+        else:
+            self.comm.all_reduce(x, op="mean")
+            all_done = done
+        self.synchronizations += 1
+        self.round = q + 1
+        return x, all_done
+
+    # ---- pausing, settling, checkpoints
+    @torch.no_grad()
+    def pause(self) -> None:
+        """Bring every worker to a halt before a collective indexed by steps (evaluation,
+        checkpoint, end), which would otherwise interleave with the rounds of workers that
+        are rounds behind or ahead. Collective: every worker calls it after the same step.
+
+        The partners are told to use this worker's current parameters meanwhile (a hold
+        message), so that nobody waits for a paused worker; with global rounds, paused
+        workers take part in them until every worker has paused. At the end every hold
+        message has been taken and every worker resumes as an ordinary member.
+        """
+        if not self.open:  # synchronous, or settled already
+            return
+        x = self.read_parameters()
+        self._send(x, self.round - 1, _HOLD, self.partners)
+        if self.config.allreduce_every:
+            all_done = False
+            while not all_done:
+                x, all_done = self._global_average(x, self._next_global(), done=True)
+            self.write_parameters(x)
+        else:
+            self.comm.barrier()
+        for peer in self.partners:
+            while peer not in self.held:  # everything it sent before pausing
+                self._take(peer)
+        self.held.clear()
+
+    @torch.no_grad()
+    def settle(self, restart: bool = False) -> None:
+        """Pause, then take in every message in flight and close the channels. With
+        ``restart`` the receives are posted again."""
+        if not self.open:
+            return
+        self.pause()
+        for _ in range(self.window):  # one for each receive posted
+            self._send(self.read_parameters(), self.round - 1, _CLOSE, self.partners)
+        for peer in self.partners:
+            while peer in self.posted:  # until its closing message
+                self._take(peer)
+        self.open = False
+        for box in self.outbox.values():  # every partner took everything
+            for _, handle in box:
+                handle.wait()
+        if restart:
+            self._post_receives()
+
+    def before_eval(self) -> None:
+        self.pause()
+        super().before_eval()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.settle(restart=True)  # nothing in flight: the state is what this worker holds
+        return {**super().state_dict(), "round": self.round,
+                "latest": {str(m): (stamp, x) for m, (stamp, x) in self.latest.items()},
+                "group_averages": self.group_averages, "rounds_skipped": self.rounds_skipped,
+                "waits": self.waits, "ages": dict(self.ages)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.round = int(state["round"])
+        self.latest = {int(m): (int(stamp), x.to(self._dtype))
+                       for m, (stamp, x) in state["latest"].items()}
+        self.group_averages = int(state["group_averages"])
+        self.rounds_skipped = int(state["rounds_skipped"])
+        self.waits = int(state["waits"])
+        self.ages = Counter({int(k): int(v) for k, v in state["ages"].items()})
+
+    @property
+    def max_age(self) -> int:
+        """The oldest contribution this worker averaged with, in rounds."""
+        return max(self.ages, default=0)

@@ -1,0 +1,231 @@
+"""WAGMA-SGD: groups, bounded staleness, wait-avoidance, and the usual guarantees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gossamer
+from gossamer.algorithms import WAGMA, LocalSGD
+from gossamer.comm import ComputeModel, SimWorld
+from gossamer.train.config import TrainConfig
+from gossamer.train.loop import run_training
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _timeline(comm, algorithm, steps: int, delay: float = 0.0, finish: bool = True):
+    """Train ``steps`` steps; the clock after each step, the final parameters, the runtime.
+    ``delay``: real seconds of extra work per step (a straggler on gloo)."""
+    import time
+
+    model = _model()
+    opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                              algorithm, comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    clocks = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if delay:
+            time.sleep(delay)
+        opt.step()
+        clocks.append(comm.clock())
+    if finish:
+        opt.finish()
+    runtime = opt.runtime
+    stats = {"ages": dict(getattr(runtime, "ages", {})), "waits": getattr(runtime, "waits", 0),
+             "skipped": getattr(runtime, "rounds_skipped", 0),
+             "group_averages": getattr(runtime, "group_averages", 0)}
+    return clocks, _flat(model), stats
+
+
+def _straggler_world(n: int = 8, seed: int = 1) -> SimWorld:
+    return SimWorld(n, compute=ComputeModel(step_time=0.01, jitter=0.1, stragglers={3: 4.0}),
+                    seed=seed)
+
+
+# ---------------------------------------------------------------------------- groups
+
+
+@pytest.mark.parametrize("n, g", [(4, 2), (8, 2), (8, 4), (16, 4), (32, 4), (27, 3), (12, 4)])
+def test_groups_partition_the_ranks_at_every_round(n, g):
+    runtime_groups = WAGMA(group_size=g).make_topology(n).groups
+    reached = {i: {i} for i in range(n)}  # who has information from whom
+    for r in range(40):
+        groups = runtime_groups(r)
+        members = sorted(m for group in groups for m in group)
+        assert members == list(range(n)), (r, groups)  # disjoint and covering
+        assert all(len(group) == g for group in groups)
+        merged = {i: set().union(*(reached[j] for group in groups if i in group
+                                     for j in group)) for i in range(n)}
+        reached = merged
+    assert all(len(seen) == n for seen in reached.values())  # information crosses all
+
+
+def test_groups_change_every_round():
+    topo = WAGMA(group_size=4).make_topology(16)
+    assert topo.groups(0) != topo.groups(1)
+
+
+# ---------------------------------------------------------------------------- semantics
+
+
+def test_synchronous_whole_world_groups_equal_averaging_every_step():
+    """tau = 0 with one group of everybody: each round is an exact average of all, which is
+    local SGD with H = 1."""
+    wagma = SimWorld(4).run(_timeline, WAGMA(group_size=4, tau=0, allreduce_every=0), 10,
+                            finish=False)
+    reference = SimWorld(4).run(_local_sgd, 10)
+    for (_, params, _), expected in zip(wagma, reference, strict=True):
+        assert torch.allclose(params, expected, atol=1e-6)
+
+
+def _local_sgd(comm, steps: int):
+    model = _model()
+    opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                              LocalSGD(period=1, average_at_end=False), comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _flat(model)
+
+
+def test_synchronous_groups_average_exactly_within_each_group():
+    """tau = 0, groups of 2, no global rounds: after one step each pair holds its mean."""
+    def one_step(comm):
+        model = _model()
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                  WAGMA(group_size=2, tau=0, allreduce_every=0), comm)
+        g = torch.Generator().manual_seed(comm.rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        local = _flat(model) - 0.05 * torch.cat([p.grad.flatten() for p in model.parameters()])
+        opt.step()
+        return local, _flat(model), opt.runtime.groups(0)
+
+    results = SimWorld(4).run(one_step)
+    for group in results[0][2]:
+        mean = torch.stack([results[i][0] for i in group]).mean(0)
+        for i in group:
+            assert torch.allclose(results[i][1], mean, atol=1e-6)
+
+
+def test_no_contribution_is_older_than_tau_and_the_bound_is_reached():
+    for tau in (1, 2, 3):
+        results = _straggler_world().run(_timeline, WAGMA(tau=tau), 40)
+        ages = [age for _, _, stats in results for age in stats["ages"]]
+        assert max(ages) <= tau, (tau, ages)
+        assert max(ages) == tau  # the straggler made the bound matter
+        if tau == 1:
+            assert sum(stats["waits"] for _, _, stats in results) > 0  # ... by waiting
+
+
+def test_deterministic_in_the_simulator_and_equal_at_the_end():
+    first = _straggler_world().run(_timeline, WAGMA(tau=2), 30)
+    second = _straggler_world().run(_timeline, WAGMA(tau=2), 30)
+    for (c1, p1, s1), (c2, p2, s2) in zip(first, second, strict=True):
+        assert c1 == c2 and s1 == s2 and torch.equal(p1, p2)
+    assert all(torch.allclose(first[0][1], p, atol=1e-6) for _, p, _ in first)
+    assert first[3][2]["skipped"] > 0  # the straggler skipped rounds to keep up
+
+
+def _fast_steps_per_second(algorithm, steps: int = 60) -> float:
+    results = _straggler_world().run(_timeline, algorithm, steps)
+    return steps / max(clocks[-1] for rank, (clocks, _, _) in enumerate(results) if rank != 3)
+
+
+def test_fast_workers_are_twice_as_fast_as_under_allreduce_with_a_straggler():
+    """One worker 4x slower: fast workers run ahead of its last published parameters by
+    up to tau rounds, so a 4x straggler is hidden for tau >= 3 and mostly for tau = 2;
+    with tau = 1 at most half (the bound: tau + 1 steps per straggler step)."""
+    allreduce = _fast_steps_per_second("allreduce")
+    assert _fast_steps_per_second(WAGMA(tau=2)) >= 2 * allreduce
+    assert _fast_steps_per_second(WAGMA(tau=3, allreduce_every=0)) >= 3 * allreduce
+    assert _fast_steps_per_second(WAGMA(tau=1)) > 1.3 * allreduce
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, n, name", [
+    ({"group_size": 3}, 8, "group_size"), ({"group_size": 0}, 8, "group_size"),
+    ({"tau": -1}, 8, "tau"), ({"allreduce_every": -1}, 8, "allreduce_every"),
+    ({"group_size": 4}, 6, "group_size"),
+])
+def test_bad_input(kwargs, n, name):
+    with pytest.raises(ValueError, match=name):
+        WAGMA(**kwargs).validate(n)
+
+
+def test_bad_group_size_fails_before_any_worker_starts():
+    with pytest.raises(ValueError, match="group_size=3 does not divide"):
+        run_training(TrainConfig(sim=4, algorithm="wagma", options={"group_size": "3"},
+                                 quiet=True))
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def test_train_on_digits():
+    result = run_training(TrainConfig(sim=4, algorithm="wagma", quiet=True))
+    assert result["eval_accuracy"] >= 0.85
+
+
+def test_evaluations_and_checkpoints_pause_and_resume(tmp_path, monkeypatch):
+    """Evaluation and checkpoints pause the rounds; resume continues the run."""
+    from resume_helpers import straight_and_resumed
+
+    from gossamer.train import checkpoint as ckpt
+
+    straight_and_resumed(
+        monkeypatch, tmp_path, 30, sim=4, steps=60, eval_every=20, checkpoint_every=20,
+        algorithm="wagma", options={"group_size": "2", "tau": "2"}, quiet=True)
+    a = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "a") / "rank-00000.pt")
+    b = ckpt.safe_load(ckpt.latest_checkpoint(tmp_path / "b") / "rank-00000.pt")
+    assert a["algorithm"]["round"] == b["algorithm"]["round"] > 0
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key])
+
+
+# ---------------------------------------------------------------------------- gloo
+
+
+def gloo_wagma(steps: int):
+    from gossamer.comm import TorchCommunicator
+
+    comm = TorchCommunicator.from_env(timeout=60)
+    try:  # rank 3 straggles: 40 ms of extra work per step, the others 10 ms
+        return _timeline(comm, WAGMA(tau=3, allreduce_every=0), steps,
+                         delay=0.04 if comm.rank == 3 else 0.01)
+    finally:
+        comm.close()
+
+
+@pytest.mark.gloo
+def test_wagma_does_not_wait_for_the_straggler_on_gloo():
+    from gossamer.testing import spawn_gloo
+
+    results = spawn_gloo(gloo_wagma, 4, args=(30,), timeout=180)
+    for _, params, _ in results[1:]:
+        assert torch.allclose(params, results[0][1], atol=1e-6)  # the final exact average
+    assert all(stats["group_averages"] > 0 for _, _, stats in results)
+    slow = results[3][0][-1] - results[3][0][0]
+    for rank in (0, 1, 2):
+        fast = results[rank][0][-1] - results[rank][0][0]
+        assert fast < 0.6 * slow, (rank, fast, slow)
+    assert max(age for _, _, stats in results for age in stats["ages"]) <= 3
