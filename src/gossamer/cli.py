@@ -1,4 +1,5 @@
-"""The ``gossamer`` command: ``train``, ``compare``, ``plot``, ``topology``, ``algorithms``.
+"""The ``gossamer`` command: ``train``, ``compare``, ``plot``, ``topology``, ``launch``,
+``algorithms``.
 
 Examples::
 
@@ -8,6 +9,7 @@ Examples::
     gossamer compare --algorithms allreduce,allreduce:bucket_mb=0.01 --workers 8
     gossamer plot runs/ar
     gossamer topology exponential --workers 8
+    gossamer launch --nproc 4 --emulate bandwidth=1gbit,delay=1ms -- --run-dir runs/emu
     gossamer algorithms
 """
 
@@ -140,6 +142,19 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
     topology_cli.add_arguments(p)
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    from gossamer.launch import cli as launch_cli
+
+    p = sub.add_parser(
+        "launch", help="start N workers of `gossamer train`, optionally on an emulated network",
+        description="Start N worker processes of `gossamer train` on this host and watch "
+        "them. With --emulate each worker runs in its own network namespace, linked to a "
+        "bridge by a link shaped with tc, and the workers meet as the nodes of a multi-node "
+        "torchrun job. Train arguments follow --.",
+    )
+    launch_cli.add_arguments(p)
+
+
 def _algorithms(args: argparse.Namespace) -> int:
     from gossamer.algorithms import available, describe, lookup
 
@@ -161,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare(sub)
     _add_plot(sub)
     _add_topology(sub)
+    _add_launch(sub)
     sub.add_parser("algorithms", help="list the registered algorithms and their options")
     return parser
 
@@ -173,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gossamer.topology import cli as topology_cli
 
             return topology_cli.run(args)
+        if args.command == "launch":
+            from gossamer.launch import cli as launch_cli
+
+            return launch_cli.run(args)
         if args.command == "plot":
             from gossamer.train.report import run_plot
 
