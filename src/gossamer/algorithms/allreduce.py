@@ -6,14 +6,22 @@ replicas stay identical. This is what ``torch.nn.parallel.DistributedDataParalle
 here it is written only against a :class:`~gossamer.comm.Communicator`, so it also runs in the
 simulator.
 
+With a ``compressor`` (and optionally a ``memory``), the gradients are averaged through
+:class:`~gossamer.compress.CompressedReducer` instead: compensated by the memory, compressed,
+all-reduced or all-gathered as the compressor declares, and decompressed; every worker still
+gets the same average, so the replicas stay identical. Parameters are then visited in the order
+of their names, so models that register them in different orders on different workers still
+aggregate correctly.
+
 Reference: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,6 +29,9 @@ from torch import nn
 from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.algorithms.buckets import Buckets
 from gossamer.comm.base import Communicator
+from gossamer.compress.base import Compressor, Memory, resolve_aggregation
+from gossamer.compress.dgc import DGCMemory, check_no_momentum, take_over_momentum
+from gossamer.compress.reducer import CompressedReducer, check_node_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +41,17 @@ class AllReduce(Algorithm):
     Args:
         bucket_mb: size of the flat gradient buckets in MiB (default 25, as DDP). Higher:
             fewer, larger messages (less latency); lower: more messages.
+        compressor: a :class:`~gossamer.compress.Compressor` (default None: the exact
+            float32 average). Each worker uses its own copy.
+        memory: what the compressor did not send, e.g.
+            :class:`~gossamer.compress.ErrorFeedback` or :class:`~gossamer.compress.DGCMemory`
+            (default None); needs a compressor. A ``DGCMemory(momentum=None)`` takes the
+            momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over when bound.
+        aggregation: ``"allreduce"`` or ``"allgather"`` (default None: the compressor's
+            own); a sparse compressor cannot be all-reduced, which is a ValueError here.
+        node_size: with a compressor, average dense inside groups of this many consecutive
+            ranks first and exchange compressed between them (default 1: flat); must divide
+            the world size.
 
     Example::
 
@@ -39,16 +61,39 @@ class AllReduce(Algorithm):
             optimizer.zero_grad()
             loss_fn(model(x), y).backward()
             optimizer.step()  # gradients are averaged here, then SGD steps
+
+        # compressed: top 1% of each gradient, the rest kept for later steps
+        AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())
     """
 
     name: ClassVar[str] = "allreduce"
 
     bucket_mb: float = 25.0  # higher: fewer all-reduce calls, each paying latency once
+    compressor: Compressor | None = None  # None: exact float32 average
+    memory: Memory | None = None  # error feedback / DGC memory; needs a compressor
+    aggregation: str | None = None  # None: the compressor's own way
+    node_size: int = 1  # > 1: dense inside nodes, compressed between them
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
                 and self.bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        if self.compressor is not None and not isinstance(self.compressor, Compressor):
+            raise ValueError(f"compressor must be a Compressor or None, got {self.compressor!r}")
+        if self.memory is not None and not isinstance(self.memory, Memory):
+            raise ValueError(f"memory must be a Memory or None, got {self.memory!r}")
+        check_node_size(self.node_size)
+        if self.compressor is None:
+            for option, value, default in (("memory", self.memory, None),
+                                           ("aggregation", self.aggregation, None),
+                                           ("node_size", self.node_size, 1)):
+                if value != default:
+                    raise ValueError(f"{option}={value!r} needs a compressor")
+        else:
+            resolve_aggregation(self.compressor, self.aggregation)
+
+    def validate(self, world_size: int) -> None:
+        check_node_size(self.node_size, world_size)
 
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer
@@ -68,10 +113,34 @@ class AllReduceRuntime(Runtime):
         super().__init__(comm, model, optimizer)
         self.config = config
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = Buckets(self.params, bucket_bytes=int(config.bucket_mb * 2**20))
+        bucket_bytes = int(config.bucket_mb * 2**20)
+        self.reducer: CompressedReducer | None = None
+        if config.compressor is None:
+            self.buckets = Buckets(self.params, bucket_bytes=bucket_bytes)
+            return
+        config.validate(comm.world_size)
+        # by name: the same order on every worker, whatever order the model registers them in
+        self.named = sorted(((name, p) for name, p in model.named_parameters()
+                             if p.requires_grad), key=lambda item: item[0])
+        memory = config.memory
+        self.weight_decay: dict[torch.Tensor, float] = {}  # taken over from the optimizer
+        if isinstance(memory, DGCMemory):
+            if memory.momentum is None:
+                momentum, nesterov, self.weight_decay = take_over_momentum(
+                    optimizer, [p for _, p in self.named])
+                memory = dataclasses.replace(memory, momentum=momentum, nesterov=nesterov)
+            else:
+                check_no_momentum(optimizer)
+        self.reducer = CompressedReducer(
+            comm, config.compressor, memory, aggregation=config.aggregation,
+            node_size=config.node_size, bucket_bytes=bucket_bytes,
+        )
 
     @torch.no_grad()
     def after_backward(self) -> None:
+        if self.reducer is not None:
+            self._compressed()
+            return
         grads = [p.grad for p in self.params]
         self.buckets.gather(grads)
         for buffer in self.buckets.buffers:
@@ -84,3 +153,25 @@ class AllReduceRuntime(Runtime):
             else:
                 p.grad.copy_(averaged)
         self.synchronizations += 1
+
+    def _compressed(self) -> None:
+        for _, p in self.named:
+            if p.grad is None:  # unused here, maybe not elsewhere: its gradient is zero
+                p.grad = torch.zeros_like(p)
+            decay = self.weight_decay.get(p)
+            if decay:
+                p.grad.add_(p.detach(), alpha=decay)
+        assert self.reducer is not None
+        self.reducer.reduce([(name, p.grad) for name, p in self.named], self.step)
+        self.synchronizations += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.reducer is not None:
+            state["compression"] = self.reducer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.reducer is not None:
+            self.reducer.load_state_dict(state["compression"])

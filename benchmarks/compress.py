@@ -1,0 +1,302 @@
+"""Gradient compression: compression speed, bytes on the wire, accuracy.
+
+    python -m benchmarks.compress speed --threads 1 --reps 30
+    python -m benchmarks.compress bytes --workers 8
+    python -m benchmarks.compress accuracy --data ../shared/data --dgc-warmup 60
+    python -m benchmarks.compress digits
+
+speed: seconds to compress one 25.6M-element float32 gradient (ResNet-50's size) on this CPU
+with DGC (density 0.001), exact top-k (``torch.topk``), random-k, QSGD and PowerSGD (rank 2,
+compress and reconstruct, as a 5120 x 5000 matrix), each against a read-only one-pass floor
+measured in the same run, interleaved with it (``torch.aminmax(x)``). Targets: DGC <= 4x the
+floor and >= 10x faster than exact top-k. Timings on a busy machine are noisy: the median and
+the minimum of each are reported.
+
+bytes: per step and worker, DGC at density 0.001 against the dense all-reduce, for ResNet-20
+and the MNIST CNN: what each worker puts on the wire for the compressed tensors (its packed
+payload, header included, against the float32 gradient: target >= 250x), the total with the
+tensors sent dense (biases, BatchNorm), and the bytes the communicator's counters record in an
+n-worker simulated step (a ring all-gather forwards every worker's payload, n - 1 of them; a
+ring all-reduce sends 2 (n - 1) / n of the gradient).
+
+accuracy: the MNIST CNN (recipes/mnist-cnn.yaml, 8 simulated workers, 300 steps) with AllReduce,
+DGC at 0.001, top-k, QSGD and PowerSGD; final eval accuracy against AllReduce's (target: DGC
+within 0.5 points) and bytes per worker per step.
+
+digits: ``gossamer train --sim 4 --algorithm NAME`` (the defaults) for dgc, topk, qsgd and
+powersgd; target >= 85% eval accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import RESULTS, machine, write_result
+
+NUMEL = 25_600_000  # ResNet-50's parameters
+DENSITY = 0.001
+
+
+# ------------------------------------------------------------------------------ speed
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this thread): with one torch thread the second leaves
+    out the time this process waited for a core on a busy machine."""
+    start, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - start, time.thread_time() - cpu
+
+
+def speed(args: argparse.Namespace) -> None:
+    from gossamer.compress import QSGD, DGCCompressor, PowerSGD, RandomK, TopK
+
+    torch.set_num_threads(args.threads)
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    matrix = x.view(5120, 5000)
+    dgc = DGCCompressor(ratio=DENSITY)
+    topk = TopK(ratio=DENSITY)
+    randomk = RandomK(ratio=DENSITY)
+    qsgd = QSGD(levels=127)
+    powersgd = PowerSGD(rank=2)
+
+    def powersgd_round() -> None:  # one worker's compute of both rounds and the result
+        p = powersgd.compress(matrix, "g")
+        q = powersgd.next_round(p, "g")
+        powersgd.decompress_sum(q, "g")
+
+    methods = {
+        "dgc": lambda: dgc.compress(x, "g"),
+        "topk": lambda: topk.compress(x, "g"),
+        "randomk": lambda: randomk.compress(x, "g"),
+        "qsgd": lambda: qsgd.compress(x, "g"),
+        "powersgd": powersgd_round,
+    }
+    methods = {name: fn for name, fn in methods.items() if name in args.methods}
+    floor = lambda: torch.aminmax(x)  # noqa: E731 - read every element once, write nothing
+    times: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
+    cpu: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
+    slow = {"topk", "qsgd", "powersgd"}  # seconds each: fewer repetitions
+    for fn in [floor, *methods.values()]:  # warm-up: allocations, workspaces
+        fn()
+    for rep in range(args.reps):
+        for name, fn in methods.items():
+            if name in slow and rep >= args.slow_reps:
+                continue
+            for label, run in (("floor", floor), (name, fn)):
+                wall, used = _timed(run)
+                times[label].append(wall)
+                cpu[label].append(used)
+    selection = dgc.last_selection
+    rows = {}
+    floor_med, floor_min = statistics.median(times["floor"]), min(times["floor"])
+    floor_cpu = statistics.median(cpu["floor"])
+    for name, samples in times.items():
+        med, best = statistics.median(samples), min(samples)
+        cpu_med = statistics.median(cpu[name])
+        rows[name] = {"median_ms": 1e3 * med, "min_ms": 1e3 * best, "runs": len(samples),
+                      "x_floor_median": med / floor_med, "x_floor_min": best / floor_min,
+                      "cpu_median_ms": 1e3 * cpu_med, "x_floor_cpu": cpu_med / floor_cpu}
+        print(f"{name:9s} median {1e3 * med:9.2f} ms  min {1e3 * best:9.2f} ms  "
+              f"= {med / floor_med:6.2f}x floor (median), {best / floor_min:6.2f}x (min), "
+              f"{cpu_med / floor_cpu:6.2f}x (CPU time, median)")
+    result = {"numel": NUMEL, "density": DENSITY, "threads": torch.get_num_threads(),
+              "reps": args.reps, "rows": rows}
+    if "dgc" in rows and "topk" in rows:
+        result["topk_over_dgc_median"] = rows["topk"]["median_ms"] / rows["dgc"]["median_ms"]
+        result["topk_over_dgc_min"] = rows["topk"]["min_ms"] / rows["dgc"]["min_ms"]
+        result["topk_over_dgc_cpu"] = (rows["topk"]["cpu_median_ms"]
+                                       / rows["dgc"]["cpu_median_ms"])
+        print(f"exact top-k / DGC: {result['topk_over_dgc_median']:.1f}x (median), "
+              f"{result['topk_over_dgc_min']:.1f}x (min)")
+    if selection is not None:
+        result["dgc_selection"] = vars(selection)
+        print(f"DGC selected {selection.selected} of target {selection.target} "
+              f"({selection.path})")
+    path = write_result(args.name, result)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------ bytes
+
+
+def _models():
+    from gossamer.train.models import build_model
+
+    return {"resnet20": (build_model("resnet20", (3, 32, 32), 10), (3, 32, 32)),
+            "mnist-cnn": (build_model("cnn", (1, 28, 28), 10), (1, 28, 28))}
+
+
+def bytes_worker(comm, model_name: str) -> dict[str, int]:
+    """One step's gradient of ``model_name``, reduced with DGC and with a dense all-reduce, the
+    compressed and the dense tensors apart; bytes sent by this worker for each."""
+    from gossamer.compress import CompressedReducer, DGCCompressor, DGCMemory, NoCompression
+
+    model, shape = _models()[model_name]
+    g = torch.Generator().manual_seed(comm.rank)
+    x, y = torch.randn(8, *shape, generator=g), torch.randint(0, 10, (8,), generator=g)
+    F.cross_entropy(model(x), y).backward()
+    named = sorted((n, p.grad) for n, p in model.named_parameters())
+    compressor = DGCCompressor(ratio=DENSITY)
+    out = {}
+    for label, subset in (("compressed", [(n, t) for n, t in named if compressor.compresses(t)]),
+                          ("dense", [(n, t) for n, t in named if not compressor.compresses(t)])):
+        for method, reducer in (
+            ("dgc", CompressedReducer(comm, compressor, DGCMemory(momentum=0.9),
+                                      bucket_bytes=25 * 2**20)),
+            ("allreduce", CompressedReducer(comm, NoCompression(), bucket_bytes=25 * 2**20)),
+        ):
+            before = comm.stats.total_bytes_sent
+            reducer.reduce([(n, t.clone()) for n, t in subset], step=0)
+            out[f"{method}_{label}_wire"] = comm.stats.total_bytes_sent - before
+            out[f"{method}_{label}_payload"] = reducer.payload_bytes + reducer.dense_bytes
+    out["compressed_numel"] = sum(t.numel() for _, t in named if compressor.compresses(t))
+    out["dense_numel"] = sum(t.numel() for _, t in named if not compressor.compresses(t))
+    return out
+
+
+def bytes_(args: argparse.Namespace) -> None:
+    from gossamer.comm import SimWorld
+
+    rows = []
+    for model_name in ("resnet20", "mnist-cnn"):
+        for n in args.workers:
+            r = SimWorld(n).run(bytes_worker, model_name)[0]
+            payload_dense = 4 * r["compressed_numel"]
+            row = {
+                "model": model_name, "workers": n, "density": DENSITY,
+                "compressed_params": r["compressed_numel"], "dense_params": r["dense_numel"],
+                # what one worker puts on the wire (its own message), n-independent
+                "payload_compressed_bytes": r["dgc_compressed_payload"],
+                "payload_ratio_compressed": payload_dense / r["dgc_compressed_payload"],
+                "payload_ratio_total": 4 * (r["compressed_numel"] + r["dense_numel"])
+                / (r["dgc_compressed_payload"] + 4 * r["dense_numel"]),
+                # what the communicator counted for this worker in one step
+                "wire_dgc_compressed": r["dgc_compressed_wire"],
+                "wire_allreduce_compressed": r["allreduce_compressed_wire"],
+                "wire_dgc_total": r["dgc_compressed_wire"] + r["dgc_dense_wire"],
+                "wire_allreduce_total": r["allreduce_compressed_wire"]
+                + r["allreduce_dense_wire"],
+            }
+            row["wire_ratio_compressed"] = (row["wire_allreduce_compressed"]
+                                            / row["wire_dgc_compressed"])
+            row["wire_ratio_total"] = row["wire_allreduce_total"] / row["wire_dgc_total"]
+            rows.append(row)
+            print(f"{model_name:9s} n={n:3d}: compressed tensors {r['compressed_numel']:,} "
+                  f"params, payload {row['payload_compressed_bytes']:,} B = "
+                  f"{row['payload_ratio_compressed']:.0f}x less; with the "
+                  f"{r['dense_numel']:,} dense ones {row['payload_ratio_total']:.0f}x; on the "
+                  f"wire (ring, n={n}) {row['wire_ratio_compressed']:.0f}x / "
+                  f"{row['wire_ratio_total']:.0f}x")
+    print(f"wrote {write_result('compress_bytes', {'rows': rows})}")
+
+
+# ------------------------------------------------------------------------------ accuracy
+
+
+def accuracy(args: argparse.Namespace) -> None:
+    import re
+
+    from gossamer.train.config import TrainConfig, load_recipe
+    from gossamer.train.loop import run_training
+    from gossamer.train.models import build_model
+    from gossamer.train.report import load_metrics, write_report
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    base = TrainConfig(**load_recipe(recipes / "mnist-cnn.yaml"),
+                       data_path=str(Path(args.data) / "mnist"), quiet=True)
+    torch.set_num_threads(args.threads)
+    # the final accuracy is what is compared: evaluate the average only, every 100 steps
+    config = base.replace(sim=args.workers, eval_every=100, eval_workers=False)
+    dgc = f"dgc:ratio={DENSITY}"
+    entries = {"allreduce": "allreduce", "dgc": dgc, "topk": "topk", "qsgd": "qsgd",
+               "powersgd": "powersgd"}
+    for steps in args.dgc_warmup:  # DGC with the paper's density warm-up, as extra rows
+        entries[f"dgc-warmup{steps}"] = f"{dgc}:warmup_steps={steps}"
+    out = RESULTS / f"compress-mnist-{args.workers}"
+    runs = {}
+    for name, label in entries.items():
+        run_dir = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+        if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
+            algorithm, *pairs = label.split(":")
+            options = dict(pair.split("=", 1) for pair in pairs)
+            started = time.perf_counter()
+            run_training(config.replace(algorithm=algorithm, options=options,
+                                        run_dir=str(run_dir)))
+            print(f"  {label}: {time.perf_counter() - started:.0f} s")
+        runs[name] = load_metrics(run_dir)
+        runs[name].name = label
+    write_report(list(runs.values()), out, title="gradient compression, MNIST CNN")
+    model_bytes = 4 * sum(p.numel() for p in build_model("cnn", (1, 28, 28), 10).parameters())
+    reference = runs["allreduce"].final
+    rows = []
+    for name, run in runs.items():
+        final = run.final
+        per_step = final["bytes_sent"] / config.steps
+        rows.append({"method": name, "entry": entries[name], "workers": args.workers,
+                     "steps": config.steps, "eval_accuracy": final["eval_accuracy"],
+                     "delta_vs_allreduce_points": 100 * (final["eval_accuracy"]
+                                                         - reference["eval_accuracy"]),
+                     "bytes_per_step": per_step,
+                     "bytes_vs_allreduce": final["bytes_sent"] / reference["bytes_sent"],
+                     "model_bytes": model_bytes})
+        print(f"{name:15s} acc {100 * final['eval_accuracy']:.2f}% "
+              f"({rows[-1]['delta_vs_allreduce_points']:+.2f}) bytes/step "
+              f"{per_step / 1e3:.1f} kB = {rows[-1]['bytes_vs_allreduce']:.4f} x AllReduce")
+    path = write_result("compress_accuracy", {"recipe": "recipes/mnist-cnn.yaml", "rows": rows})
+    print(f"wrote {path}")
+
+
+def digits(args: argparse.Namespace) -> None:
+    from gossamer.train.config import TrainConfig
+    from gossamer.train.loop import run_training
+
+    rows = []
+    for name in args.methods:
+        started = time.perf_counter()
+        result = run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
+        rows.append({"method": name, "eval_accuracy": result["eval_accuracy"],
+                     "bytes_sent": result["bytes_sent"],
+                     "real_seconds": time.perf_counter() - started})
+        print(f"{name:9s} digits, 4 simulated workers, defaults: eval accuracy "
+              f"{100 * result['eval_accuracy']:.2f}%, {result['bytes_sent'] / 1e3:.1f} kB sent "
+              f"per worker")
+    print(f"wrote {write_result('compress_digits', {'rows': rows})}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    s.add_argument("--reps", type=int, default=30)
+    s.add_argument("--slow-reps", type=int, default=5, help="repetitions of top-k, QSGD, "
+                   "PowerSGD (seconds each)")
+    s.add_argument("--methods", nargs="+", default=["dgc", "topk", "randomk", "qsgd",
+                                                    "powersgd"])
+    s.add_argument("--name", default="compress_speed", help="result file name")
+    b = sub.add_parser("bytes")
+    b.add_argument("--workers", type=int, nargs="+", default=[8])
+    a = sub.add_parser("accuracy")
+    a.add_argument("--data", default="../shared/data")
+    a.add_argument("--workers", type=int, default=8)
+    a.add_argument("--dgc-warmup", type=int, nargs="*", default=[],
+                   help="also DGC with these warm-up steps")
+    a.add_argument("--reuse", action="store_true", help="keep runs already in the results")
+    a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    d = sub.add_parser("digits")
+    d.add_argument("--methods", nargs="+", default=["dgc", "topk", "qsgd", "powersgd"])
+    args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    print(machine())
+    {"speed": speed, "bytes": bytes_, "accuracy": accuracy, "digits": digits}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Error feedback: what a compressor did not send is added to the next step's gradient.
+
+Seide et al., "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel
+Distributed Training of Speech DNNs" (2014); Karimireddy et al., "Error Feedback Fixes SignSGD
+and other Gradient Compression Schemes" (2019). With ``e`` the residual of a tensor:
+
+    compensated = grad + e
+    sent = decompress(compress(compensated))
+    e = compensated - sent
+
+so that ``compensated == sent + e`` holds after every step, up to one float32 rounding.
+
+Example::
+
+    AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from gossamer.compress.base import Compressor, Memory
+from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ErrorFeedback(Memory):
+    """Keep the residual ``compensated - sent`` of each tensor and add it to the next gradient.
+
+    The residual buffer doubles as the compensated gradient (no allocation after the first
+    step), so the tensor :meth:`compensate` returns belongs to the memory until :meth:`update`.
+    """
+
+    # internal state: the residual of each tensor, by name
+    _residuals: dict[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != grad.shape:
+            residual = grad.detach().to(torch.float32, copy=True)
+            self._residuals[key] = residual
+            return residual
+        return residual.add_(grad.detach())
+
+    def update(self, key: str, compensated: torch.Tensor, payload: Payload,
+               compressor: Compressor) -> None:
+        residual = self._residuals[key]
+        if residual is not compensated:
+            residual.copy_(compensated)
+        if isinstance(payload, (SparsePayload, SharedIndexPayload)):
+            # only the sent elements change: no dense temporary
+            residual.view(-1).index_add_(0, payload.indices,
+                                         payload.values.to(residual.dtype), alpha=-1)
+        else:
+            residual.sub_(compressor.decompress(payload, key).view_as(residual))
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        """The residual of tensor ``key`` (None before its first step)."""
+        return self._residuals.get(key)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._residuals.clear()
+        self._residuals.update({k: v.clone() for k, v in state["residuals"].items()})

@@ -1,0 +1,232 @@
+"""Compressed gradient averaging: compensate, compress, send, update memory, in one place.
+
+:class:`CompressedReducer` is shared by :class:`~gossamer.algorithms.AllReduce` (with a
+compressor) and the DDP hooks of :mod:`gossamer.hooks.compression`, so both compute the same
+thing. For each bucket of tensors it makes one collective per round:
+
+- ``"allreduce"``: the payloads' flat wires are concatenated and all-reduced (summed);
+- ``"allgather"``: the payloads are packed into one uint8 tensor (an int32 header of their
+  lengths, then their bytes) and all-gathered, sizes differing per worker (a worker that
+  selects nothing sends only the header); each worker decodes and adds everyone's.
+
+Tensors the compressor does not take (DGC's and PowerSGD's biases...) are all-reduced dense in
+float32. Every byte goes through the communicator, so its ``stats`` count the compressed
+bytes.
+
+Hierarchy (``node_size > 1``): the gradients are first averaged dense inside each node (groups
+of ``node_size`` consecutive ranks, where bandwidth is plentiful), then every worker exchanges
+the compressed node average with the workers of the same local rank in the other nodes. The
+members of a node compress the same tensor with the same seeds and memory, so they all end
+with the same average, without a broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from gossamer.checks import check_int
+from gossamer.comm.base import Communicator
+from gossamer.compress.base import Compressor, Memory, resolve_aggregation
+from gossamer.compress.cast import NoCompression
+from gossamer.compress.payloads import DensePayload, Payload, pack_bytes, unpack_bytes
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+def buckets(
+    items: NamedTensors, bucket_bytes: int | None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of ``items`` of at most ``bucket_bytes`` (float32 size) each; a
+    larger tensor gets a bucket of its own. None: a single bucket."""
+    run: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for key, tensor in items:
+        nbytes = 4 * tensor.numel()
+        if run and bucket_bytes is not None and size + nbytes > bucket_bytes:
+            yield run
+            run, size = [], 0
+        run.append((key, tensor))
+        size += nbytes
+    if run:
+        yield run
+
+
+class CompressedReducer:
+    """Average named gradients over the workers through a compressor and a memory.
+
+    Args:
+        comm: the communicator of every worker.
+        compressor: the compressor; this reducer uses its own copy
+            (:meth:`~gossamer.compress.Compressor.for_worker`).
+        memory: error feedback or DGC's memory (a copy is used), or None (default).
+        aggregation: ``"allreduce"``, ``"allgather"``, or None (default: the compressor's
+            first); a combination the compressor does not support is a ValueError.
+        node_size: ranks per node for hierarchical aggregation (default 1: flat); must divide
+            the world size.
+        bucket_bytes: float32 bytes of the tensors that one collective carries at most
+            (default None: all in one).
+
+    Example::
+
+        reducer = CompressedReducer(comm, DGCCompressor(ratio=0.001), DGCMemory(momentum=0.9))
+        reducer.reduce([(name, p.grad) for name, p in sorted(model.named_parameters())], step)
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        compressor: Compressor,
+        memory: Memory | None = None,
+        *,
+        aggregation: str | None = None,
+        node_size: int = 1,
+        bucket_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(compressor, Compressor):
+            raise ValueError(f"compressor must be a Compressor, got {compressor!r}")
+        if memory is not None and not isinstance(memory, Memory):
+            raise ValueError(f"memory must be a Memory or None, got {memory!r}")
+        self.aggregation = resolve_aggregation(compressor, aggregation)
+        check_node_size(node_size, comm.world_size)
+        if bucket_bytes is not None:
+            check_int("bucket_bytes", bucket_bytes, minimum=1)
+        self.comm = comm
+        self.bucket_bytes = bucket_bytes
+        self.node_size = node_size
+        node, local = divmod(comm.rank, node_size)
+        nodes = comm.world_size // node_size
+        self.intra: Communicator | None = None
+        self.cross: Communicator = comm
+        if node_size > 1:
+            self.intra = comm.group(list(range(node * node_size, (node + 1) * node_size)))
+            self.cross = comm.group([local + j * node_size for j in range(nodes)])
+        self.compressor = compressor.for_worker(node)
+        self.memory = memory.fresh() if memory is not None else None
+        self._dense = NoCompression()
+        # statistics: this worker's own payload bytes (not the ring's forwarding)
+        self.payload_bytes = 0  # compressed tensors, headers included
+        self.dense_bytes = 0  # tensors all-reduced dense across nodes
+
+    @torch.no_grad()
+    def reduce(self, grads: NamedTensors, step: int) -> None:
+        """Replace each gradient by the (compressed) average over the workers, in place.
+
+        Every worker must pass the same names, shapes and order. ``step`` is the optimizer
+        step (it seeds the randomness and drives warm-up schedules).
+        """
+        self.compressor.set_step(step)
+        if self.intra is not None:
+            averaged = self._dense_mean(self.intra, [g for _, g in grads])
+            for (_, g), mean in zip(grads, averaged, strict=True):
+                g.copy_(mean.view_as(g))
+        compensated = [
+            (key, g, self.memory.compensate(key, g) if self.memory is not None else g)
+            for key, g in grads
+        ]
+        dense = [item for item in compensated if not self.compressor.compresses(item[2])]
+        sparse = [item for item in compensated if self.compressor.compresses(item[2])]
+        if dense:
+            means = self._dense_mean(self.cross, [c for _, _, c in dense])
+            for (key, g, c), mean in zip(dense, means, strict=True):
+                if self.memory is not None:
+                    self.memory.update(key, c, DensePayload(c.reshape(-1), c.shape), self._dense)
+                g.copy_(mean.view_as(g))
+            self.dense_bytes += sum(4 * c.numel() for _, _, c in dense)
+        targets = {key: g for key, g, _ in sparse}
+        for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
+            if self.aggregation == "allreduce":
+                results = self._all_reduce(run)
+            else:
+                results = self._all_gather(run)
+            for (key, _), mean in zip(run, results, strict=True):
+                targets[key].copy_(mean.view_as(targets[key]))
+
+    # -- the two aggregations ------------------------------------------------------------------
+
+    def _all_reduce(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        compressor, n = self.compressor, self.cross.world_size
+        payloads: list[Payload] = [compressor.compress(c, key) for key, c in run]
+        summed: list[Payload] = []
+        for r in range(compressor.rounds):
+            if r:
+                payloads = [compressor.next_round(s, key)
+                            for s, (key, _) in zip(summed, run, strict=True)]
+            wires = [p.wire().reshape(-1) for p in payloads]
+            self.payload_bytes += sum(w.numel() * w.element_size() for w in wires)
+            sums = _sum_flat(self.cross, wires)
+            summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
+        self._update(run, payloads)
+        return [compressor.decompress_sum(s, key).div_(n)
+                for s, (key, _) in zip(summed, run, strict=True)]
+
+    def _all_gather(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        compressor, cross = self.compressor, self.cross
+        payloads = [compressor.compress(c, key) for key, c in run]
+        packed = pack_bytes(payloads)
+        self.payload_bytes += packed.numel()
+        gathered = cross.all_gather(packed)
+        self._update(run, payloads)
+        outs = [torch.zeros(c.numel(), dtype=torch.float32, device=c.device) for _, c in run]
+        for rank, data in enumerate(gathered):
+            theirs = payloads if rank == cross.rank else unpack_bytes(data, payloads)
+            for payload, (key, _), out in zip(theirs, run, outs, strict=True):
+                compressor.decompress_add(payload, key, out)
+        return [out.div_(cross.world_size) for out in outs]
+
+    def _update(self, run: list[tuple[str, torch.Tensor]], payloads: Sequence[Payload]) -> None:
+        if self.memory is not None:
+            for (key, c), payload in zip(run, payloads, strict=True):
+                self.memory.update(key, c, payload, self.compressor)
+
+    def _dense_mean(self, comm: Communicator, tensors: Sequence[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        """The float32 mean over ``comm`` of each tensor, one all-reduce per bucket."""
+        out: list[torch.Tensor] = []
+        items = [(str(i), t) for i, t in enumerate(tensors)]
+        for run in buckets(items, self.bucket_bytes):
+            sums = _sum_flat(comm, [t.detach().reshape(-1).to(torch.float32) for _, t in run])
+            out += [s.div_(comm.world_size) for s in sums]
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's and the memory's state (never the communicator)."""
+        return {
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory.state_dict() if self.memory is not None else None,
+            "payload_bytes": self.payload_bytes,
+            "dense_bytes": self.dense_bytes,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state["compressor"])
+        if self.memory is not None:
+            self.memory.load_state_dict(state["memory"])
+        self.payload_bytes = int(state.get("payload_bytes", 0))
+        self.dense_bytes = int(state.get("dense_bytes", 0))
+
+
+def _sum_flat(comm: Communicator, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The sum over ``comm`` of each flat tensor (new tensors): one all-reduce per dtype."""
+    out: list[torch.Tensor | None] = [None] * len(flats)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(flats):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for indices in by_dtype.values():
+        buffer = torch.cat([flats[i] for i in indices])
+        comm.all_reduce(buffer, op="sum")
+        for i, part in zip(indices, buffer.split([flats[i].numel() for i in indices]),
+                           strict=True):
+            out[i] = part
+    return out  # type: ignore[return-value]
+
+
+def check_node_size(node_size: int, world_size: int | None = None) -> None:
+    """``node_size`` must be an int >= 1 that divides ``world_size`` (when known)."""
+    check_int("node_size", node_size, minimum=1)
+    if world_size is not None and world_size % node_size:
+        raise ValueError(f"node_size={node_size} must divide the world size {world_size}")

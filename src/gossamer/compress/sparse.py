@@ -1,0 +1,130 @@
+"""Sparsifiers: exact top-k and random-k.
+
+- :class:`TopK` sends the ``k = ceil(ratio * numel)`` elements of largest magnitude, as int32
+  positions and values (Aji & Heafield, "Sparse Communication for Distributed Gradient
+  Descent", 2017). Payloads differ between workers, so they are all-gathered.
+- :class:`RandomK` sends ``k`` elements at positions drawn from a generator seeded alike on
+  every worker (Stich et al., "Sparsified SGD with Memory", 2018): the positions need not
+  travel and the values can be all-reduced.
+
+Both are biased (they drop most of the gradient), so use them with
+:class:`~gossamer.compress.ErrorFeedback`.
+
+Example::
+
+    AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from gossamer.checks import check_int
+from gossamer.compress.base import Aggregation, Compressor, check_ratio
+from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
+
+MAX_NUMEL = 2**31 - 1  # int32 positions on the wire
+
+
+def selected_count(ratio: float, numel: int) -> int:
+    """``ceil(ratio * numel)``, at least 1 for a non-empty tensor, at most ``numel`` (the
+    product's rounding error is ignored: 0.05 * 120 is 6, not 7)."""
+    return min(numel, max(1, math.ceil(ratio * numel * (1 - 1e-12)))) if numel else 0
+
+
+def check_numel(tensor: torch.Tensor) -> None:
+    if tensor.numel() > MAX_NUMEL:
+        raise ValueError(f"tensor of {tensor.numel()} elements is too large for int32 "
+                         f"positions (at most {MAX_NUMEL})")
+
+
+def sparse_values(values: torch.Tensor, fp16: bool) -> torch.Tensor:
+    """The values as they travel: float16 (clamped to its range) or float32."""
+    if not fp16:
+        return values.to(torch.float32)
+    limit = torch.finfo(torch.float16).max
+    return values.clamp(-limit, limit).to(torch.float16)
+
+
+class SparseCompressor(Compressor):
+    """Base of the compressors whose payloads hold positions: decompression by index_add_."""
+
+    def decompress(self, payload: Payload, key: str) -> torch.Tensor:
+        assert isinstance(payload, (SparsePayload, SharedIndexPayload))
+        out = torch.zeros(math.prod(payload.shape), dtype=torch.float32,
+                          device=payload.values.device)
+        self.decompress_add(payload, key, out)
+        return out.view(payload.shape)
+
+    def decompress_add(self, payload: Payload, key: str, out: torch.Tensor) -> None:
+        assert isinstance(payload, (SparsePayload, SharedIndexPayload))
+        if payload.indices.numel():
+            out.view(-1).index_add_(0, payload.indices, payload.values.to(out.dtype))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TopK(SparseCompressor):
+    """The ``ceil(ratio * numel)`` largest-magnitude elements of each tensor (exact,
+    ``torch.topk``).
+
+    Args:
+        ratio: fraction of the elements sent, in (0, 1] (default 0.01). Lower: more
+            compression, more delay in the error-feedback memory.
+        fp16_values: send the values as float16 (default False: float32).
+    """
+
+    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
+
+    ratio: float = 0.01  # lower: fewer bytes, more of the gradient delayed
+    fp16_values: bool = False  # True: 6 bytes per element sent instead of 8
+
+    def __post_init__(self) -> None:
+        check_ratio("ratio", self.ratio)
+
+    def compress(self, tensor: torch.Tensor, key: str) -> SparsePayload:
+        check_numel(tensor)
+        flat = tensor.detach().reshape(-1)
+        k = selected_count(self.ratio, flat.numel())
+        indices = torch.topk(flat.abs(), k, sorted=False).indices
+        values = sparse_values(flat.index_select(0, indices), self.fp16_values)
+        return SparsePayload(indices.to(torch.int32), values, tensor.shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RandomK(SparseCompressor):
+    """``ceil(ratio * numel)`` elements at positions drawn uniformly (the same on every
+    worker: only the values are sent, and they are all-reduced).
+
+    Positions are drawn with replacement and deduplicated, so slightly fewer than k may be
+    sent when ``ratio`` is large.
+
+    Args:
+        ratio: fraction of the elements sent, in (0, 1] (default 0.01).
+        seed: seeds the positions (default 0); every worker must use the same.
+    """
+
+    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allreduce", "allgather")
+
+    ratio: float = 0.01  # lower: fewer bytes, more of the gradient delayed
+    seed: int = 0  # the same on every worker: the positions are not sent
+
+    def __post_init__(self) -> None:
+        check_ratio("ratio", self.ratio)
+        check_int("seed", self.seed, minimum=0)
+
+    def compress(self, tensor: torch.Tensor, key: str) -> SharedIndexPayload:
+        flat = tensor.detach().reshape(-1)
+        numel = flat.numel()
+        k = selected_count(self.ratio, numel)
+        generator = self.generator(key, torch.device("cpu"))
+        if k == numel:
+            indices = torch.arange(numel)
+        else:
+            indices = torch.unique(torch.randint(numel, (k,), generator=generator))
+        indices = indices.to(flat.device)
+        return SharedIndexPayload(indices, flat.index_select(0, indices).to(torch.float32),
+                                  tensor.shape)
