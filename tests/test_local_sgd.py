@@ -56,11 +56,15 @@ def closed_form_periods(total: int, warmup: int, h_base: int, alpha: float, powe
                         lr) -> list[tuple[int, int]]:
     """The QSR periods computed directly from the rule, independently of the runtime."""
     periods, t = [], warmup
+    previous = lr(warmup - 1) if warmup else None  # the learning rate at the last average
     while t < total:
-        h = max(h_base, math.floor((alpha / lr(t)) ** power))
+        rising = previous is None or lr(t) > previous
+        h = h_base if rising else max(h_base, math.floor((alpha / lr(t)) ** power))
+        previous = lr(t)
         left = total - 1 - t
-        if left > 0:
-            h = min(h, left)
+        if left == 0:
+            break
+        h = min(h, left)
         periods.append((t, h))
         t += h
     return periods
@@ -78,7 +82,23 @@ def test_qsr_periods_follow_the_rule(schedule):
     expected = closed_form_periods(total, 5, 2, 0.1, 2.0, lambda t: learning_rate(cfg, t))
     assert runtime.periods == expected
     assert len({h for _, h in expected}) > 2  # the rule did vary H
-    assert runtime.synchronizations == 5 + len(expected)
+    assert runtime.synchronizations == 5 + len(expected) + 1  # and the last step averages
+
+
+def test_qsr_holds_h_base_during_a_learning_rate_warm_up():
+    """A rising learning rate (warm-up) keeps H at H_base; without that, the first average's
+    small learning rate would give one period spanning the whole run."""
+    total = 120
+    cfg = TrainConfig(lr=0.2, steps=total, schedule="cosine", warmup_steps=20, min_lr=0.001)
+    qsr = QSR(period=2, alpha=0.2)
+    _, runtime = SimWorld(2).run(
+        lambda comm: _train(comm, qsr, steps=total, schedule=lambda t: learning_rate(cfg, t))
+    )[0]
+    assert all(h == 2 for t, h in runtime.periods if t < 20)
+    assert runtime.synchronizations > 15  # not one huge period
+    assert max(h for _, h in runtime.periods) > 2  # and H grows once the lr decays
+    expected = closed_form_periods(total, 0, 2, 0.2, 2.0, lambda t: learning_rate(cfg, t))
+    assert runtime.periods == expected
 
 
 def test_period_one_equals_allreduce():

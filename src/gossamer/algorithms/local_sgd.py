@@ -5,7 +5,9 @@ The averaging period H follows a schedule:
 - constant (``localsgd``): H = ``period``;
 - the Quadratic Synchronization Rule (``qsr``): after each averaging,
   ``H = max(period, floor((alpha / lr) ** power))``, with ``lr`` the wrapped optimizer's
-  learning rate at that moment, so H grows as the learning rate decays;
+  learning rate at that moment, so H grows as the learning rate decays; while the learning
+  rate still rises (a learning-rate warm-up) and at the first average H stays at ``period``,
+  as in the paper's code;
 - either with a warm-up of ``warmup_steps`` steps that average after every step (post-local
   SGD); QSR's periods are capped so that the last step averages when the number of steps is
   known.
@@ -126,6 +128,7 @@ class LocalSGDRuntime(Runtime):
         self.next_average = config.warmup_steps  # the step (0-based) that averages next
         self.current_period = 1 if config.warmup_steps else config.period
         self.last_averaged = -1  # the last step that averaged
+        self.last_lr: float | None = None  # the learning rate at the last average
         # statistics
         self.periods: list[tuple[int, int]] = []  # (step, H chosen after averaging there)
 
@@ -135,20 +138,27 @@ class LocalSGDRuntime(Runtime):
     @torch.no_grad()
     def after_step(self) -> None:
         step, config = self.step, self.config
+        lr = float(self.optimizer.param_groups[0]["lr"])
         if step < config.warmup_steps:
             self._average()
+            self.last_lr = lr
             return
         if step != self.next_average:
             return
         self._average()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        period = config.next_period(lr)
+        # While the learning rate still rises (a learning-rate warm-up), and at the first
+        # average, H stays at H_base: the rule is meant for the decaying learning rate, and
+        # a warm-up's small early rates would give one huge period.
+        rising = self.last_lr is None or lr > self.last_lr
+        period = config.period if rising else config.next_period(lr)
+        self.last_lr = lr
         left = self._steps_left()
         if config.cap_to_end and left is not None and left > 0:
             period = min(period, left)  # so that the last step averages
         self.current_period = period
         self.next_average = step + period
-        self.periods.append((step, period))
+        if left is None or left > 0:  # (after the last step there is no next period)
+            self.periods.append((step, period))
 
     def _average(self) -> None:
         tensors = [p.data for p in self.model.parameters()]
@@ -172,6 +182,7 @@ class LocalSGDRuntime(Runtime):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "next_average": self.next_average,
                 "current_period": self.current_period, "last_averaged": self.last_averaged,
+                "last_lr": self.last_lr,
                 "periods": [list(p) for p in self.periods]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -179,6 +190,8 @@ class LocalSGDRuntime(Runtime):
         self.next_average = int(state["next_average"])
         self.current_period = int(state["current_period"])
         self.last_averaged = int(state["last_averaged"])
+        last_lr = state.get("last_lr")
+        self.last_lr = None if last_lr is None else float(last_lr)
         self.periods = [(int(a), int(b)) for a, b in state["periods"]]
 
 
