@@ -3,25 +3,44 @@
 from gossamer.algorithms.adpsgd import ADPSGD
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors, model_tensors
+from gossamer.algorithms.compressed import (
+    DGC,
+    FP16AllReduce,
+    PowerSGDAllReduce,
+    QSGDAllReduce,
+    RandomKAllReduce,
+    TopKAllReduce,
+)
 from gossamer.algorithms.dpsgd import DPSGD
+from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
 from gossamer.algorithms.pushsum import push_sum_average, push_sum_round
 from gossamer.algorithms.registry import available, create, describe, lookup, register
 from gossamer.algorithms.sgp import OSGP, SGP
+from gossamer.algorithms.wagma import WAGMA
 
-for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR):
+for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, DGC,
+             TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce, FP16AllReduce):
     register(_cls)
 
 __all__ = [
     "ADPSGD",
+    "DGC",
+    "FP16AllReduce",
+    "PowerSGDAllReduce",
+    "QSGDAllReduce",
+    "RandomKAllReduce",
+    "TopKAllReduce",
     "DPSGD",
     "QSR",
     "LocalSGD",
     "OSGP",
     "SGP",
+    "WAGMA",
     "Algorithm",
     "AllReduce",
     "AllReduceRuntime",
+    "GossipGraD",
     "Runtime",
     "available",
     "average_tensors",

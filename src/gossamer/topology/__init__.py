@@ -23,9 +23,11 @@ from gossamer.topology.builders import (
     random_regular,
     ring,
 )
+from gossamer.topology.gossipgrad import GossipGradSchedule
 
 __all__ = [
     "TOPOLOGIES",
+    "GossipGradSchedule",
     "Topology",
     "Weights",
     "bipartite_exponential",
