@@ -2,6 +2,8 @@
 
     python -m benchmarks.gossipgrad bytes --workers 8 16 32 64 128 256
     python -m benchmarks.gossipgrad accuracy --data ../shared/data --workers 8 16
+    python -m benchmarks.gossipgrad accuracy --data ../shared/data --workers 8 \
+        --algorithms allreduce,gossipgrad:allreduce_every=10 --name gossipgrad_sync
 
 bytes: simulated workers train a 102,538-parameter MLP for a few steps with GossipGraD
 (local groups of 1 and of 4, both topologies) and with AllReduce; bytes sent per worker per
@@ -15,7 +17,8 @@ accuracy: the MNIST CNN (recipes/mnist-cnn.yaml) with AllReduce, SGP and GossipG
 topologies, and CUBE with local groups of 2), the same number of epochs at every worker count
 (300 steps at 8 workers, 150 at 16, as benchmarks/gossip.py); final eval accuracy (after the
 exact average at the end) against AllReduce's, the consensus distance before that average, and
-bytes per worker per step.
+bytes per worker per step. ``--algorithms`` runs other entries (the first is the reference) and
+``--name`` keeps their results apart (NAME_accuracy.json, NAME-mnist-N/).
 """
 
 from __future__ import annotations
@@ -155,14 +158,17 @@ def accuracy(args: argparse.Namespace) -> None:
         steps = base.steps * 8 // n  # the same epochs at every worker count
         config = base.replace(sim=n, steps=steps, eval_every=max(1, steps // 6))
         out = RESULTS / f"{args.name}-mnist-{n}"
-        run_compare(args.algorithms, config, out)
+        if not (args.reuse and (out / "report.md").exists()):
+            run_compare(args.algorithms, config, out)
         reference = None
         for label, _, _ in entries:
             run = load_metrics(out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label))  # as compare
             final = run.final
             if reference is None:
                 reference = final["eval_accuracy"]  # the first entry: allreduce
-            before_end = run.evals[-2]["consensus_distance"] if len(run.evals) > 1 else 0.0
+            before = run.evals[-2] if len(run.evals) > 1 else final  # before the final average
+            before_end = before["consensus_distance"]
+            workers = before["worker_eval_accuracy"]
             rows.append({
                 "workers": n, "method": label, "steps": steps,
                 "eval_accuracy": final["eval_accuracy"],
@@ -170,12 +176,14 @@ def accuracy(args: argparse.Namespace) -> None:
                 "bytes_per_step": final["bytes_sent"] / steps,
                 "models_per_step": final["bytes_sent"] / steps / model_bytes,
                 "consensus_before_final_average": before_end,
+                "worker_accuracy_before_final_average": sum(workers) / len(workers),
             })
             r = rows[-1]
             print(f"n={n:3d} {label:42s} acc {100 * r['eval_accuracy']:.2f}% "
                   f"({r['delta_vs_allreduce_points']:+.2f}) bytes/step "
                   f"{r['bytes_per_step'] / 1e6:.3f} MB = {r['models_per_step']:.3f} models, "
-                  f"consensus {before_end:.3g}")
+                  f"consensus {before_end:.3g}, workers before the average "
+                  f"{100 * r['worker_accuracy_before_final_average']:.2f}%")
     path = write_result(f"{args.name}_accuracy", {"model_bytes": model_bytes, "rows": rows})
     print(f"wrote {path}")
 
@@ -193,6 +201,8 @@ def main() -> None:
                    help="gossamer compare entries; the first is the reference")
     a.add_argument("--name", default="gossipgrad",
                    help="results: NAME_accuracy.json and NAME-mnist-N/ run directories")
+    a.add_argument("--reuse", action="store_true",
+                   help="tabulate the run directories of an earlier run instead of training")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.part == "bytes":
