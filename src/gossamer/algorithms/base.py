@@ -95,6 +95,30 @@ class Runtime:
         self.synchronizations = int(state["synchronizations"])
 
 
+class ExactAverages:
+    """The exact averages of all that decentralized methods offer, from the options
+    ``allreduce_every``, ``average_before_eval`` and ``average_at_end`` of ``self.config``
+    (mixed into a :class:`Runtime`)."""
+
+    def periodic_average(self) -> None:
+        """The exact all-reduce average every ``allreduce_every`` steps."""
+        every = self.config.allreduce_every
+        if every and (self.step + 1) % every == 0:
+            self.average_parameters()
+
+    def before_eval(self) -> None:
+        if self.config.average_before_eval:
+            self.average_parameters()
+
+    def finish(self) -> None:
+        self.settle()
+        if self.config.average_at_end:
+            self.average_parameters()
+
+    def settle(self) -> None:
+        """Take in every message still in flight (nothing is lost at the end)."""
+
+
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Parameters then floating-point buffers (BatchNorm statistics), in registration order."""
     tensors = [p.data for p in model.parameters()]

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
+from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime, average_tensors
 from gossamer.algorithms.buckets import Buckets
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
@@ -57,7 +57,7 @@ class GossipAlgorithm(Algorithm):
         self.make_topology(world_size)
 
 
-class GossipRuntime(Runtime):
+class GossipRuntime(ExactAverages, Runtime):
     """A worker of a gossip method: its topology and a flat copy of its parameters."""
 
     def __init__(self, config: GossipAlgorithm, comm: Communicator, model: nn.Module,
@@ -82,24 +82,6 @@ class GossipRuntime(Runtime):
     def write_parameters(self, flat: torch.Tensor) -> None:
         self.flat.buffers[0].copy_(flat)
         self.flat.scatter(self.params)
-
-    def periodic_average(self) -> None:
-        """The exact all-reduce average every ``allreduce_every`` steps."""
-        every = self.config.allreduce_every
-        if every and (self.step + 1) % every == 0:
-            self.average_parameters()
-
-    def before_eval(self) -> None:
-        if self.config.average_before_eval:
-            self.average_parameters()
-
-    def finish(self) -> None:
-        self.settle()
-        if self.config.average_at_end:
-            self.average_parameters()
-
-    def settle(self) -> None:
-        """Take in every message still in flight (nothing is lost at the end)."""
 
     @torch.no_grad()
     def average_buffers(self) -> None:

@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.base import Algorithm, Runtime
+from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
@@ -176,7 +176,7 @@ class GossipGraD(Algorithm):
         return GossipGraDRuntime(self, comm, model, optimizer)
 
 
-class GossipGraDRuntime(Runtime):
+class GossipGraDRuntime(ExactAverages, Runtime):
     """One worker of GossipGraD: its gradient buckets, local group and partner schedule.
 
     The schedule is a function of the step counter alone, so the step counter (saved by
@@ -206,14 +206,4 @@ class GossipGraDRuntime(Runtime):
                 p.grad.copy_(combined)
 
     def after_step(self) -> None:
-        every = self.config.allreduce_every
-        if every and (self.step + 1) % every == 0:
-            self.average_parameters()
-
-    def before_eval(self) -> None:
-        if self.config.average_before_eval:
-            self.average_parameters()
-
-    def finish(self) -> None:
-        if self.config.average_at_end:
-            self.average_parameters()
+        self.periodic_average()

@@ -377,8 +377,3 @@ class WAGMARuntime(GossipRuntime):
         self.rounds_skipped = int(state["rounds_skipped"])
         self.waits = int(state["waits"])
         self.ages = Counter({int(k): int(v) for k, v in state["ages"].items()})
-
-    @property
-    def max_age(self) -> int:
-        """The oldest contribution this worker averaged with, in rounds."""
-        return max(self.ages, default=0)

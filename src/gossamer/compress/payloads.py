@@ -81,12 +81,10 @@ class Payload(ABC):
         template: shapes and dtypes)."""
 
 
-@dataclass(frozen=True)
-class DensePayload(Payload):
-    """Every element, possibly in a narrower dtype (fp16, bf16)."""
+class _ValuesPayload(Payload):
+    """A payload whose wire is its ``values`` alone (the rest is known to every worker)."""
 
-    values: torch.Tensor  # flat
-    shape: torch.Size
+    values: torch.Tensor
 
     @property
     def nbytes(self) -> int:
@@ -95,15 +93,23 @@ class DensePayload(Payload):
     def wire(self) -> torch.Tensor:
         return self.values
 
-    def with_wire(self, wire: torch.Tensor) -> DensePayload:
+    def with_wire(self, wire: torch.Tensor) -> _ValuesPayload:
         return replace(self, values=wire)
 
     def to_bytes(self) -> torch.Tensor:
         return _padded([self.values])
 
-    def from_bytes(self, data: torch.Tensor) -> DensePayload:
+    def from_bytes(self, data: torch.Tensor) -> _ValuesPayload:
         values, _ = _take(data, 0, self.values.numel(), self.values.dtype)
         return replace(self, values=values)
+
+
+@dataclass(frozen=True)
+class DensePayload(_ValuesPayload):
+    """Every element, possibly in a narrower dtype (fp16, bf16)."""
+
+    values: torch.Tensor  # flat
+    shape: torch.Size
 
 
 @dataclass(frozen=True)
@@ -129,29 +135,12 @@ class SparsePayload(Payload):
 
 
 @dataclass(frozen=True)
-class SharedIndexPayload(Payload):
+class SharedIndexPayload(_ValuesPayload):
     """Values at positions every worker draws alike (random-k): only the values travel."""
 
     indices: torch.Tensor  # int64, the same on every worker; not sent
     values: torch.Tensor
     shape: torch.Size
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size()
-
-    def wire(self) -> torch.Tensor:
-        return self.values
-
-    def with_wire(self, wire: torch.Tensor) -> SharedIndexPayload:
-        return replace(self, values=wire)
-
-    def to_bytes(self) -> torch.Tensor:
-        return _padded([self.values])
-
-    def from_bytes(self, data: torch.Tensor) -> SharedIndexPayload:
-        values, _ = _take(data, 0, self.values.numel(), self.values.dtype)
-        return replace(self, values=values)
 
 
 @dataclass(frozen=True)
