@@ -24,6 +24,7 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
 from gossamer.algorithms.buckets import apply_flat
+from gossamer.algorithms.nonfinite import check_policy
 from gossamer.comm.base import Communicator
 
 
@@ -31,8 +32,9 @@ class DistributedOptimizer:
     """A ``torch.optim`` optimizer with a distributed algorithm around its ``step()``.
 
     ``step()`` marks the step's compute for the simulator, runs the algorithm's after-backward
-    hook (e.g. gradient averaging), the wrapped optimizer's step, the after-step hook (e.g.
-    gossip of parameters) and the before-forward hook of the next step. Everything else
+    hook (e.g. gradient averaging), the wrapped optimizer's step (skipped for a non-finite
+    gradient under ``nonfinite="skip"``), the after-step hook (e.g. gossip of parameters) and
+    the before-forward hook of the next step. Everything else
     (``param_groups``, ``zero_grad``, ...) is the wrapped optimizer's: attach learning-rate
     schedulers to :attr:`optimizer`.
     """
@@ -62,8 +64,12 @@ class DistributedOptimizer:
             raise ValueError("closure is not supported: call backward() before step()")
         runtime = self.runtime
         runtime.comm.compute_step()
+        runtime.check_gradients()
         runtime.after_backward()
-        self.optimizer.step()
+        if runtime.skip_update:  # a non-finite gradient under nonfinite="skip"
+            runtime.skipped_steps += 1
+        else:
+            self.optimizer.step()
         runtime.after_step()
         runtime.step += 1
         runtime.before_forward()
@@ -97,6 +103,7 @@ def distribute(
     comm: Communicator | None = None,
     *,
     broadcast: bool = True,
+    nonfinite: str = "raise",
 ) -> DistributedOptimizer:
     """Wire ``algorithm`` into ``model`` and ``optimizer`` on this worker.
 
@@ -109,6 +116,10 @@ def distribute(
             environment (torchrun, SLURM or Open MPI; a single process when none is set).
         broadcast: copy rank 0's parameters and buffers to every worker first, so that all
             replicas start equal (default True, as DDP does).
+        nonfinite: what a NaN or infinite gradient or parameter does, found before it is sent:
+            ``"raise"`` (default: a :class:`~gossamer.algorithms.nonfinite.NonFiniteError`
+            naming the rank and step) or ``"skip"`` (the update is skipped); see
+            :mod:`gossamer.algorithms.nonfinite` for which algorithms agree on it.
 
     Returns:
         A :class:`DistributedOptimizer` to use in place of ``optimizer``.
@@ -123,6 +134,7 @@ def distribute(
         algorithm = create(algorithm)
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm must be an Algorithm or a name, got {algorithm!r}")
+    check_policy(nonfinite)
     if comm is None:
         from gossamer.comm.torch_comm import TorchCommunicator
 
@@ -131,6 +143,7 @@ def distribute(
     if broadcast and comm.world_size > 1:
         broadcast_model(comm, model)
     runtime = algorithm.bind(comm, model, optimizer)
+    runtime.nonfinite = nonfinite
     runtime.before_forward()
     return DistributedOptimizer(optimizer, runtime)
 

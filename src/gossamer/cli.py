@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 import sys
 from collections.abc import Sequence
 
+from gossamer.comm.base import CommError
 from gossamer.comm.sim import SimulationError
 
 DEFAULT_SIM_WORKERS = 4
@@ -56,6 +58,8 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
         ("consensus distance", f"{result.get('consensus_distance', float('nan')):.3g}"),
         ("bytes sent per worker", format_bytes(result.get("bytes_sent", 0.0))),
         ("synchronizations", str(result.get("synchronizations", "-"))),
+        *([("non-finite updates skipped", str(result["skipped_steps"]))]
+          if result.get("skipped_steps") else []),
         (f"wall-clock ({clock})", f"{result.get('wall_clock', float('nan')):.3f} s"),
         ("examples per second", f"{result.get('examples_per_second', float('nan')):.0f}"),
     ]
@@ -204,6 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except SimulationError as error:
         print(f"gossamer {args.command}: {error}", file=sys.stderr)
+        return 1
+    except (CommError, FloatingPointError) as error:
+        # a worker of a real job: a peer stopped answering, or a non-finite value (the
+        # message names the operation, the peer, the rank and the step)
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", ""))
+        where = f" (rank {rank})" if rank else ""
+        print(f"gossamer {args.command}{where}: {type(error).__name__}: {error}",
+              file=sys.stderr)
         return 1
 
 

@@ -92,7 +92,7 @@ class ADPSGDRuntime(GossipRuntime):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        x = self.read_parameters()
+        x = self.checked_parameters()
         x = self._take_replies(x, block=False) if self.active else self._answer(x, block=False)
         if self.active:
             self._request(x)

@@ -13,6 +13,11 @@ gets the same average, so the replicas stay identical. Parameters are then visit
 of their names, so models that register them in different orders on different workers still
 aggregate correctly.
 
+Non-finite gradients: a worker that has one sends zeros in its place and sets its bit in flags
+that ride at the end of the step's reduction (one more float32: no message of their own), so
+every worker learns who it was, and all raise or all skip the step
+(:mod:`gossamer.algorithms.nonfinite`); the values are never sent nor compressed.
+
 Reference: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017).
 """
 
@@ -28,6 +33,13 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.nonfinite import (
+    all_finite,
+    describe_nonfinite,
+    flag_words,
+    ranks_from_flags,
+    set_flag,
+)
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import DGCMemory, check_no_momentum, take_over_momentum
@@ -115,8 +127,17 @@ class AllReduceRuntime(Runtime):
         self.params = [p for p in model.parameters() if p.requires_grad]
         bucket_bytes = int(config.bucket_mb * 2**20)
         self.reducer: CompressedReducer | None = None
+        self._found: str | None = None  # this step's non-finite gradients (error messages)
+        # the non-finite agreement: one bit per rank (see gossamer.algorithms.nonfinite)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        dtype = self.params[0].dtype if self.params else torch.float32
+        if dtype not in (torch.float32, torch.float64):  # sums of bits stay exact in these
+            dtype = torch.float32
+        self.flags = torch.zeros(flag_words(comm.world_size), dtype=dtype, device=device)
         if config.compressor is None:
-            self.buckets = Buckets(self.params, bucket_bytes=bucket_bytes)
+            # the flags ride at the end of the gradient buffer: no message of their own
+            self.buckets = Buckets(self.params + [self.flags], bucket_bytes=bucket_bytes)
+            self.flags = self.buckets.views[-1]
             return
         config.validate(comm.world_size)
         # by name: the same order on every worker, whatever order the model registers them in
@@ -136,16 +157,41 @@ class AllReduceRuntime(Runtime):
             node_size=config.node_size, bucket_bytes=bucket_bytes,
         )
 
+    def check_gradients(self) -> None:
+        """Nothing here: the workers agree on non-finite gradients in after_backward."""
+        self.skip_update = False
+
+    def _agree(self) -> bool:
+        """Whether every worker's gradient is finite, from the all-reduced flags (raises under
+        the "raise" policy, on every worker alike)."""
+        ranks = ranks_from_flags(self.flags)
+        if not ranks:
+            return True
+        if self.nonfinite == "raise":
+            raise self.nonfinite_error("gradient", ranks, self._found)
+        self.skip_update = True  # every worker skips: the replicas stay identical
+        return False
+
     @torch.no_grad()
     def after_backward(self) -> None:
         if self.reducer is not None:
             self._compressed()
             return
         grads = [p.grad for p in self.params]
-        self.buckets.gather(grads)
-        for buffer in self.buckets.buffers:
-            self.comm.all_reduce(buffer, op="mean")
-        for p, averaged in zip(self.params, self.buckets.views, strict=True):
+        self.buckets.gather(grads + [None])
+        buffers = self.buckets.buffers
+        finite = all_finite(buffers)
+        if not finite:  # send zeros and this rank's bit
+            for buffer in buffers:
+                buffer.zero_()
+            set_flag(self.flags, self.comm.rank)
+        for buffer in buffers:
+            self.comm.all_reduce(buffer, op="sum")
+        if not self._agree():
+            return
+        for buffer in buffers:
+            buffer.div_(self.comm.world_size)  # the mean ("mean" would divide the flags too)
+        for p, averaged in zip(self.params, self.buckets.views[:-1], strict=True):
             if p.grad is None:
                 # Unused on this worker but maybe not on others: take the average anyway,
                 # so the replicas stay identical.
@@ -161,8 +207,21 @@ class AllReduceRuntime(Runtime):
             decay = self.weight_decay.get(p)
             if decay:
                 p.grad.add_(p.detach(), alpha=decay)
+        # A worker whose gradient is non-finite compresses zeros instead, so that no message,
+        # residual or momentum ever holds the value; the flags ride with the reduction and
+        # every worker learns who it was before anything is applied.
+        grads = [p.grad for _, p in self.named]
+        self.flags.zero_()
+        if not all_finite(grads):
+            self._found = describe_nonfinite([(n, p.grad) for n, p in self.named], "gradient")
+            for grad in grads:
+                grad.zero_()
+            set_flag(self.flags, self.comm.rank)
         assert self.reducer is not None
-        self.reducer.reduce([(name, p.grad) for name, p in self.named], self.step)
+        self.reducer.reduce([(name, p.grad) for name, p in self.named], self.step,
+                            flags=self.flags)
+        if not self._agree():  # skip: every worker drops this step's average
+            return
         self.synchronizations += 1
 
     def state_dict(self) -> dict[str, Any]:

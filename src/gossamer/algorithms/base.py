@@ -6,8 +6,11 @@ one object that holds all the mutable state (step counter, residuals, push-sum w
 and acts at explicit points of a training step:
 
 1. ``before_forward`` — e.g. SGP's de-biasing of the parameters;
-2. ``after_backward`` — gradient-level methods (AllReduce, DGC, GossipGraD);
-3. the wrapped ``torch.optim`` optimizer steps (algorithms never re-implement SGD or Adam);
+2. ``check_gradients`` and ``after_backward`` — gradient-level methods (AllReduce, DGC,
+   GossipGraD); either may set ``skip_update`` for non-finite gradients
+   (:mod:`gossamer.algorithms.nonfinite`);
+3. the wrapped ``torch.optim`` optimizer steps (algorithms never re-implement SGD or Adam),
+   unless ``skip_update``;
 4. ``after_step`` — parameter-level methods (SGP, D-PSGD, local SGD, WAGMA).
 
 Runtimes talk to other workers only through a :class:`~gossamer.comm.Communicator`.
@@ -16,12 +19,14 @@ Runtimes talk to other workers only through a :class:`~gossamer.comm.Communicato
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from gossamer.algorithms.buckets import apply_flat
+from gossamer.algorithms.nonfinite import NonFiniteError, all_finite, describe_nonfinite
 from gossamer.comm.base import Communicator
 
 
@@ -59,8 +64,51 @@ class Runtime:
         # internal state
         self.step = 0  # optimizer steps taken
         self.total_steps: int | None = None  # set by a training loop that knows it
+        # non-finite values (see gossamer.algorithms.nonfinite)
+        self.nonfinite = "raise"  # the policy, "raise" or "skip" (distribute() sets it)
+        self.skip_update = False  # this step: the wrapped optimizer must not step
+        self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # statistics
         self.synchronizations = 0  # exact averages of the whole world (collectives)
+        self.skipped_steps = 0  # updates skipped (or gradients dropped) for non-finite values
+
+    def check_gradients(self) -> None:
+        """Called before ``after_backward``: under the ``"skip"`` policy, skip this worker's
+        update if one of its gradients is non-finite (each worker for itself). Algorithms
+        whose workers agree on it (AllReduce), or that check a flat copy anyway, override it.
+        """
+        self.skip_update = False
+        if self.nonfinite == "skip":
+            grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
+            self.skip_update = not all_finite(grads)
+
+    def nonfinite_error(self, what: str, ranks: Sequence[int] = (),
+                        found: str | None = None) -> NonFiniteError:
+        """The error for non-finite values found on this worker (``what``: "gradient" or
+        "parameters"; ``found``: where, if known already), or reported by ``ranks`` through
+        an agreement."""
+        step, rank = self.step + 1, self.comm.rank
+        ranks = list(ranks) or [rank]
+        named = [(n, p.grad if what == "gradient" else p.detach())
+                 for n, p in self.named_parameters]
+        if rank in ranks:
+            found = found or describe_nonfinite(named, what) or f"the {what}"
+            if what == "parameters":
+                cause = describe_nonfinite([(n, p.grad) for n, p in self.named_parameters],
+                                           "gradient")
+                found += (f" (after the optimizer step on {cause})" if cause else
+                          " although the gradients were finite (the optimizer diverged: "
+                          "skipping cannot repair its state; lower the learning rate)")
+            message = f"rank {rank}: non-finite values at step {step} in {found}"
+            others = [r for r in ranks if r != rank]
+            if others:
+                message += f" ({_ranks(others)} had some too)"
+        else:
+            message = (f"rank {rank}: {_ranks(ranks)} had non-finite values at step {step} in "
+                       f"the {what}")
+        return NonFiniteError(f"{message}; nothing non-finite was sent. nonfinite='raise' "
+                              "stops here ('skip' would skip such updates)",
+                              rank=rank, step=step, ranks=ranks)
 
     def before_forward(self) -> None:
         """Called before each forward pass (and once when bound)."""
@@ -88,11 +136,17 @@ class Runtime:
 
     def state_dict(self) -> dict[str, Any]:
         """This runtime's mutable state (never process groups or communicators)."""
-        return {"step": self.step, "synchronizations": self.synchronizations}
+        return {"step": self.step, "synchronizations": self.synchronizations,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.synchronizations = int(state["synchronizations"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 class ExactAverages:

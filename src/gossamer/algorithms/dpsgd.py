@@ -68,4 +68,5 @@ class DPSGDRuntime(GossipRuntime):
         self.write_parameters(mixed)  # the optimizer now applies g(x_k) to W x_k
 
     def after_step(self) -> None:
+        self.check_parameters()  # what the next step sends: checked at the step that made it
         self.periodic_average()

@@ -12,6 +12,7 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime, average_tensors
 from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.topology import Topology, build
@@ -76,6 +77,20 @@ class GossipRuntime(ExactAverages, Runtime):
     def read_parameters(self) -> torch.Tensor:
         """The parameters as one flat tensor (a copy)."""
         self.flat.gather(self.params)
+        return self.flat.buffers[0].clone()
+
+    @torch.no_grad()
+    def check_parameters(self) -> None:
+        """Raise a NonFiniteError if a parameter is non-finite: one sum over the flat copy
+        (see :mod:`gossamer.algorithms.nonfinite`)."""
+        self.flat.gather(self.params)
+        if not all_finite(self.flat.buffers):
+            raise self.nonfinite_error("parameters")
+
+    @torch.no_grad()
+    def checked_parameters(self) -> torch.Tensor:
+        """:meth:`read_parameters`, checked before they are sent."""
+        self.check_parameters()
         return self.flat.buffers[0].clone()
 
     @torch.no_grad()

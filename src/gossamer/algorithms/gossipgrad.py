@@ -42,6 +42,7 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.topology.gossipgrad import GossipGradSchedule, check_gossipgrad_topology
@@ -194,9 +195,21 @@ class GossipGraDRuntime(ExactAverages, Runtime):
                                      local_group_size=config.local_group_size,
                                      seed=config.seed, shuffle=config.shuffle)
 
+    def check_gradients(self) -> None:
+        """Nothing here: after_backward checks the flat copy it sends."""
+        self.skip_update = False
+
     @torch.no_grad()
     def after_backward(self) -> None:
         self.buckets.gather([p.grad for p in self.params])
+        if not all_finite(self.buckets.buffers):
+            if self.nonfinite == "raise":
+                raise self.nonfinite_error("gradient")
+            # skip: this worker's gradient is dropped; it sends zeros in its place (the
+            # partners wait for a message) and applies what the combination gives
+            for buffer in self.buckets.buffers:
+                buffer.zero_()
+            self.skipped_steps += 1
         self.gossip.combine(self.buckets.buffers, self.step)
         for p, combined in zip(self.params, self.buckets.views, strict=True):
             if p.grad is None:

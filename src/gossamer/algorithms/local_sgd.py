@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
+from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 
@@ -166,6 +167,9 @@ class LocalSGDRuntime(Runtime):
             tensors += [b for b in self.model.buffers() if torch.is_floating_point(b)]
         if self.config.average_optimizer_state:
             tensors += optimizer_state_tensors(self.optimizer)
+        # checked before they are sent: only here, since local steps send nothing
+        if not all_finite(tensors):
+            raise self.nonfinite_error("parameters")
         average_tensors(self.comm, tensors)
         self.synchronizations += 1
         self.last_averaged = self.step

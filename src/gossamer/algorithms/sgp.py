@@ -110,7 +110,7 @@ class SGPRuntime(GossipRuntime):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        z = self.read_parameters()  # de-biased parameters after the local step
+        z = self.checked_parameters()  # de-biased parameters after the local step
         message = push_message(z * self.weight, self.weight)
         kept, handle = push_sum_send(self.comm, self.topology, self.step, message)
         self.in_flight.append(handle)

@@ -228,7 +228,7 @@ class WAGMARuntime(GossipRuntime):
     # ---- a step
     @torch.no_grad()
     def after_step(self) -> None:
-        x = self.read_parameters()
+        x = self.checked_parameters()
         q = self.round
         if self.asynchronous:
             self._drain()

@@ -107,6 +107,11 @@ class Communicator(Protocol):
 
     Ranks are those of this communicator: ``0 .. world_size - 1`` (a subgroup renumbers its
     members in the order given to :meth:`group`). Tensors are reduced in place.
+
+    Fault injection (:mod:`gossamer.comm.faults`) uses two optional methods when a
+    communicator has them: ``fail(kind, reason)`` (``"crash"`` or ``"hang"`` this worker the
+    way this communicator's workers fail) and ``slow_down(factor)`` (a communicator with
+    virtual time makes this worker's compute take longer).
     """
 
     @property

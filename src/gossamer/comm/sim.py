@@ -43,7 +43,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ from gossamer.comm.base import (
     check_rank,
     tensor_nbytes,
 )
+from gossamer.comm.faults import InjectedFault
 from gossamer.comm.network import ComputeModel, NetworkModel
 
 _READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
@@ -113,6 +114,7 @@ class _Worker:
         self.compute_time = 0.0
         self.idle_time = 0.0
         self.steps = 0
+        self.slowdown = 1.0  # compute takes this many times as long (fault injection)
         self.active_time = 0.0  # real seconds run since the last compute_step (measured mode)
         self.resumed_at = 0.0
         self.deadline_token = 0
@@ -251,7 +253,8 @@ class SimWorld:
             lines = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items())]
             first = min(failures, key=lambda r: (self._workers[r].clock, r))
             raise SimulationError(
-                f"{len(failures)} of {n} simulated workers failed:\n" + "\n".join(lines),
+                f"{len(failures)} of {n} simulated workers failed, first (in virtual time) "
+                f"rank {first}:\n" + "\n".join(lines),
                 failures,
             ) from failures[first]
         return [w.result for w in self._workers]
@@ -310,7 +313,12 @@ class SimWorld:
             blocked = [w for w in self._workers if w.state == _BLOCKED]
             if not blocked:
                 return None
-            for w in blocked:  # only reachable with an infinite timeout
+            for w in blocked:  # hung on purpose, or else only with an infinite timeout
+                if isinstance(w.wait, _HangWait):
+                    self._wake(w, w.clock, InjectedFault(
+                        f"{w.wait.reason}; the simulation ended it once no other worker was "
+                        "left to run"))
+                    continue
                 self._wake(w, w.clock, CommError(
                     f"deadlock: every live worker is blocked; rank {w.rank} waits in "
                     f"{w.wait.op if w.wait else '?'}", op=w.wait.op if w.wait else "?",
@@ -365,15 +373,44 @@ class SimWorld:
         w.wake_error = error
         heapq.heappush(self._ready, (w.clock, w.rank))
 
-    def _describe(self, rank: int) -> str:
+    def _describe(self, rank: int, seen: frozenset[int] = frozenset()) -> str:
+        """What ``rank`` is doing; for a blocked worker, also whom it waits for (and so on),
+        so that a worker waiting for a waiting worker names the one that failed."""
         w = self._workers[rank]
         if w.error is not None:
-            return f"rank {rank} (failed: {type(w.error).__name__}: {w.error})"
+            text = str(w.error)
+            if seen and len(text) > 160:  # a worker further down the chain: its gist
+                text = text[:157] + "..."
+            return f"rank {rank} (failed: {type(w.error).__name__}: {text})"
         if w.state == _DONE:
             return f"rank {rank} (finished)"
+        if w.state == _BLOCKED and isinstance(w.wait, _HangWait):
+            return f"rank {rank} (hung at t={w.clock:.6g} s: {w.wait.reason})"
         if w.state == _BLOCKED and w.wait is not None:
-            return f"rank {rank} (blocked in {w.wait.op} at t={w.clock:.6g} s)"
+            others = [p for p in self._waiting_for(w) if p not in seen and p != rank]
+            via = ""
+            if others and len(seen) < 3:
+                via = ", waiting for " + ", ".join(
+                    self._describe(p, seen | {rank}) for p in others[:2])
+            return f"rank {rank} (blocked in {w.wait.op} at t={w.clock:.6g} s{via})"
         return f"rank {rank} (at t={w.clock:.6g} s, not there yet)"
+
+    def _waiting_for(self, w: _Worker) -> tuple[int, ...]:
+        """The ranks whose arrival or message blocked ``w`` is still missing."""
+        wait = w.wait
+        if isinstance(wait, _CollectiveWait) and wait.pending is not None:
+            return tuple(m for m in wait.pending.members if m not in wait.pending.arrivals)
+        if isinstance(wait, _ExchangeWait) and wait.handle is not None:
+            return tuple(s.src for s in wait.handle._slots if s.tensor is None)
+        return ()
+
+    def _hang(self, w: _Worker, reason: str) -> NoReturn:
+        """``w`` blocks for ever (fault injection): no deadline, nothing wakes it, except the
+        end of the simulation (see _pick)."""
+        w.state = _BLOCKED
+        w.wait = _HangWait(f"a hang ({reason})", (), w.clock, reason=reason)
+        self._yield(w)
+        raise AssertionError("a hung worker was resumed")  # _pick wakes it with an error
 
     def _fire_timeout(self, w: _Worker, deadline: float) -> None:
         """``w`` gave up waiting at virtual time ``deadline`` ."""
@@ -515,6 +552,11 @@ class _CollectiveWait(_Wait):
 @dataclass
 class _ExchangeWait(_Wait):
     handle: _SimHandle | None = None
+
+
+@dataclass
+class _HangWait(_Wait):
+    reason: str = ""
 
 
 class _SimHandle:
@@ -756,6 +798,18 @@ class SimComm:
     def clock(self) -> float:
         return self._worker.clock
 
+    # ---- fault injection (gossamer.comm.faults)
+    def fail(self, kind: str, reason: str) -> NoReturn:
+        """``"crash"``: this worker stops here, as a dead process would (whoever waits for it
+        times out); ``"hang"``: it blocks for ever without finishing."""
+        if kind == "hang":
+            self._world._hang(self._worker, reason)
+        raise InjectedFault(reason)
+
+    def slow_down(self, factor: float) -> None:
+        """From now on this worker's compute takes ``factor`` times as long (virtual time)."""
+        self._worker.slowdown = float(factor)
+
     def compute_step(self) -> None:
         w = self._worker
         model = self._world.compute
@@ -765,6 +819,7 @@ class SimComm:
             w.active_time, w.resumed_at = 0.0, now
         else:
             duration = model.step_duration(w.rank, w.rng)
+        duration *= w.slowdown
         w.clock += duration
         w.compute_time += duration
         w.steps += 1

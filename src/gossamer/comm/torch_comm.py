@@ -22,12 +22,12 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from gossamer.comm import cost
+from gossamer.comm import cost, faults
 from gossamer.comm.base import (
     DEFAULT_TIMEOUT,
     CommError,
@@ -258,6 +258,11 @@ class _Heartbeat:
         counter, seq, label = self._reader.get(key).decode().split(":", 2)
         return int(counter), int(seq), label
 
+    def halt(self) -> None:
+        """Stop beating, as a frozen process would, without counting this rank as closed."""
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
+
     def stop(self, world_size: int, wait_for_all: bool) -> None:
         """Stop beating and count this rank as closed; the store's host waits (briefly) for
         everyone to stop, since beats that hit a vanished store spam C++ warnings."""
@@ -444,9 +449,16 @@ class TorchCommunicator:
         if backend == "gloo" and _is_loopback(env.master_addr):
             options = _loopback_gloo_options(span)
         kwargs = {"pg_options": options} if options is not None else {}
+        group_store: dist.Store = store
+        if agent_store:
+            # torchelastic's agent keeps its store across restarts of the worker group: each
+            # attempt's keys go under a prefix of their own (as torch's env:// does), or a
+            # restarted group would read the addresses the dead workers published
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            group_store = dist.PrefixStore(f"/worker/attempt_{attempt}", store)
         dist.init_process_group(
-            backend, store=store, rank=env.rank, world_size=env.world_size, timeout=span,
-            **kwargs,
+            backend, store=group_store, rank=env.rank, world_size=env.world_size,
+            timeout=span, **kwargs,
         )
         try:
             comm = cls(timeout=timeout, store=store, store_addr=(env.master_addr, store.port))
@@ -627,6 +639,16 @@ class TorchCommunicator:
 
     def compute_step(self) -> None:
         """Nothing to do: real time passed while the step computed."""
+
+    def fail(self, kind: str, reason: str) -> NoReturn:
+        """Fault injection (:mod:`gossamer.comm.faults`): ``"crash"`` exits the process at
+        once; ``"hang"`` stops the heartbeat and never returns, so that the peers see a worker
+        that stopped responding."""
+        if kind == "hang" and self._heartbeat is not None:
+            self._heartbeat.halt()
+        if kind == "crash":
+            faults.crash_process(reason)
+        faults.hang_process(reason)
 
     def close(self) -> None:
         """Stop the heartbeat; destroy the process group if :meth:`from_env` created it."""

@@ -109,15 +109,24 @@ class CompressedReducer:
         # statistics: this worker's own payload bytes (not the ring's forwarding)
         self.payload_bytes = 0  # compressed tensors, headers included
         self.dense_bytes = 0  # tensors all-reduced dense across nodes
+        # flags summed along with the step's first collective of each stage (see reduce)
+        self._rider: torch.Tensor | None = None
+        self._rider_stages: list[Communicator] = []
 
     @torch.no_grad()
-    def reduce(self, grads: NamedTensors, step: int) -> None:
+    def reduce(self, grads: NamedTensors, step: int, flags: torch.Tensor | None = None) -> None:
         """Replace each gradient by the (compressed) average over the workers, in place.
 
         Every worker must pass the same names, shapes and order. ``step`` is the optimizer
-        step (it seeds the randomness and drives warm-up schedules).
+        step (it seeds the randomness and drives warm-up schedules). ``flags`` (optional, a
+        float32 tensor of the same shape on every worker) is replaced by its sum over the
+        workers: it rides at the end of the step's first collective (no message of its own)
+        and never touches a memory; the algorithms agree on non-finite gradients with it.
         """
         self.compressor.set_step(step)
+        self._rider = flags
+        self._rider_stages = [] if flags is None else [
+            c for c in (self.intra, self.cross) if c is not None]
         if self.intra is not None:
             averaged = self._dense_mean(self.intra, [g for _, g in grads])
             for (_, g), mean in zip(grads, averaged, strict=True):
@@ -143,6 +152,16 @@ class CompressedReducer:
                 results = self._all_gather(run)
             for (key, _), mean in zip(run, results, strict=True):
                 targets[key].copy_(mean.view_as(targets[key]))
+        for comm in self._rider_stages:  # a stage that made no collective (nothing to send)
+            comm.all_reduce(self._take_rider(comm))
+        self._rider = None
+
+    def _take_rider(self, comm: Communicator) -> torch.Tensor | None:
+        """The flags to sum along with this collective on ``comm``: once per stage."""
+        if self._rider_stages and self._rider_stages[0] is comm:
+            self._rider_stages.pop(0)
+            return self._rider
+        return None
 
     # -- the two aggregations ------------------------------------------------------------------
 
@@ -156,7 +175,10 @@ class CompressedReducer:
                             for s, (key, _) in zip(summed, run, strict=True)]
             wires = [p.wire().reshape(-1) for p in payloads]
             self.payload_bytes += sum(w.numel() * w.element_size() for w in wires)
-            sums = _sum_flat(self.cross, wires)
+            rider = self._take_rider(self.cross)
+            sums = _sum_flat(self.cross, wires + ([rider] if rider is not None else []))
+            if rider is not None:
+                rider.copy_(sums.pop())
             summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
         self._update(run, payloads)
         return [compressor.decompress_sum(s, key).div_(n)
@@ -167,7 +189,14 @@ class CompressedReducer:
         payloads = [compressor.compress(c, key) for key, c in run]
         packed = pack_bytes(payloads)
         self.payload_bytes += packed.numel()
+        rider = self._take_rider(cross)
+        if rider is not None:
+            packed = torch.cat([packed, rider.reshape(-1).view(torch.uint8)])
         gathered = cross.all_gather(packed)
+        if rider is not None:  # every worker's flags ended its bytes
+            tail = rider.numel() * rider.element_size()
+            rider.copy_(sum(data[-tail:].clone().view(rider.dtype) for data in gathered))
+            gathered = [data[:-tail] for data in gathered]
         self._update(run, payloads)
         outs = [torch.zeros(c.numel(), dtype=torch.float32, device=c.device) for _, c in run]
         for rank, data in enumerate(gathered):
@@ -187,7 +216,11 @@ class CompressedReducer:
         out: list[torch.Tensor] = []
         items = [(str(i), t) for i, t in enumerate(tensors)]
         for run in buckets(items, self.bucket_bytes):
-            sums = _sum_flat(comm, [t.detach().reshape(-1).to(torch.float32) for _, t in run])
+            rider = self._take_rider(comm)
+            flats = [t.detach().reshape(-1).to(torch.float32) for _, t in run]
+            sums = _sum_flat(comm, flats + ([rider] if rider is not None else []))
+            if rider is not None:
+                rider.copy_(sums.pop())
             out += [s.div_(comm.world_size) for s in sums]
         return out
 

@@ -3,6 +3,7 @@
 Examples::
 
     gossamer launch --nproc 4 -- --steps 100 --run-dir runs/ar
+    gossamer launch --nproc 4 --max-restarts 2 -- --run-dir runs/ar --checkpoint-every 50
     gossamer launch --nproc 4 --emulate bandwidth=1gbit,delay=1ms \\
         --emulate-rank 3:bandwidth=250mbit -- --algorithm sgp --run-dir runs/sgp-slow
     gossamer launch --cleanup
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=GRACE, metavar="SECONDS",
                         help="seconds workers get to exit after SIGTERM when they are stopped "
                         f"(default: {GRACE:g})")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="when a worker fails, restart every worker up to N times, as "
+                        "torchrun --max-restarts N does; a run with --run-dir resumes from its "
+                        "latest checkpoint (default: 0)")
     parser.add_argument("--cleanup", action="store_true",
                         help="remove the namespaces left by launchers that were killed, and "
                         "the processes still in them; then exit")
@@ -92,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         links = links_from_args(args)
         if links is not None:
             check_prerequisites()
-        return launch(train_args, args.nproc, links=links, grace=args.grace)
+        return launch(train_args, args.nproc, links=links, grace=args.grace,
+                      max_restarts=args.max_restarts)
     except EmulationUnavailable as exc:
         print(f"gossamer launch: error: {exc}", file=sys.stderr)
         return 2

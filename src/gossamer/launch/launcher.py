@@ -9,8 +9,11 @@ static rendezvous at rank 0's namespace address, and gloo uses the namespace's l
 
 Every line a worker prints is prefixed with ``[rank R]``. When a worker fails, the others are
 stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits with the failed
-worker's code; when the launcher gets SIGINT, SIGTERM or SIGHUP it stops the workers, removes
-the network and exits with 128 + the signal's number.
+worker's code, unless ``max_restarts`` allows a restart: then every worker starts again, as
+under ``torchrun --max-restarts`` (``TORCHELASTIC_RESTART_COUNT`` counts the restarts, and a
+run with a run directory resumes from its latest checkpoint). When the launcher gets SIGINT,
+SIGTERM or SIGHUP it stops the workers, removes the network and exits with 128 + the signal's
+number.
 
 Example::
 
@@ -104,6 +107,7 @@ def launch(
     *,
     links: Sequence[LinkSpec] | None = None,
     grace: float = GRACE,
+    max_restarts: int = 0,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
 ) -> int:
@@ -116,6 +120,9 @@ def launch(
             (needs root, ``ip`` and ``tc``); None: plain processes on this host (default).
         grace: seconds the workers get to exit after SIGTERM when they are stopped
             (default 5.0).
+        max_restarts: how many times every worker is restarted after one failed (default 0),
+            as torchrun's ``--max-restarts``: on this host the launcher restarts them with
+            ``TORCHELASTIC_RESTART_COUNT`` set; emulated, each node's torchrun does.
         stdout, stderr: where the workers' prefixed output goes (default: ``sys.stdout``,
             ``sys.stderr`` at call time).
 
@@ -130,6 +137,8 @@ def launch(
         raise ValueError(f"links must give one link per rank: {len(links)} for {nproc} ranks")
     if not grace >= 0:
         raise ValueError(f"--grace must be >= 0 seconds, got {grace!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
     config = train_config(train_args)
     output = _Output(stdout if stdout is not None else sys.stdout,
                      stderr if stderr is not None else sys.stderr)
@@ -142,10 +151,11 @@ def launch(
     with SignalGuard() as guard:
         try:
             if links is None:
-                code = _run_local(list(train_args), nproc, env, workers, guard, grace, output)
+                code = _run_local(list(train_args), nproc, env, workers, guard, grace, output,
+                                  max_restarts)
             else:
                 code = _run_emulated(list(train_args), links, env, workers, guard, grace,
-                                     output, config.run_dir)
+                                     output, config.run_dir, max_restarts)
         except Interrupted as exc:
             # while the network was built or the workers started: they are stopped below
             output.say(f"{exc} received; stopping")
@@ -160,22 +170,31 @@ def launch(
 
 
 def _run_local(train_args: list[str], nproc: int, env: dict[str, str], workers: list[_Worker],
-               guard: SignalGuard, grace: float, output: _Output) -> int:
+               guard: SignalGuard, grace: float, output: _Output, max_restarts: int = 0) -> int:
     from gossamer.testing import free_port
 
-    port = str(free_port())
-    for rank in range(nproc):
-        worker_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc),
-                      "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
-                      "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        cmd = [sys.executable, "-m", "gossamer", "train", *train_args]
-        workers.append(_start(rank, cmd, worker_env, output))
-    return _supervise(workers, guard, grace, output)
+    for attempt in range(max_restarts + 1):
+        port = str(free_port())  # a fresh rendezvous: rank 0 hosts a new store
+        first = len(workers)  # those of earlier attempts are stopped and reaped already
+        for rank in range(nproc):
+            worker_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc),
+                          "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
+                          "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                          "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                          "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+            cmd = [sys.executable, "-m", "gossamer", "train", *train_args]
+            workers.append(_start(rank, cmd, worker_env, output))
+        code, interrupted = _supervise(workers[first:], guard, grace, output)
+        if code == 0 or interrupted or attempt == max_restarts:
+            return code
+        output.say(f"restarting every worker (restart {attempt + 1} of {max_restarts}); with "
+                   "a run directory the run resumes from its latest checkpoint")
+    raise AssertionError("unreachable")
 
 
 def _run_emulated(train_args: list[str], links: Sequence[LinkSpec], env: dict[str, str],
                   workers: list[_Worker], guard: SignalGuard, grace: float, output: _Output,
-                  run_dir: str | None) -> int:
+                  run_dir: str | None, max_restarts: int = 0) -> int:
     nproc = len(links)
     with Network(links) as net:
         _describe_network(net, output)
@@ -184,11 +203,11 @@ def _run_emulated(train_args: list[str], links: Sequence[LinkSpec], env: dict[st
             cmd = [*net.exec_prefix(rank), sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", str(nproc), "--node-rank", str(rank), "--nproc-per-node", "1",
                    "--master-addr", net.address(0), "--master-port", str(MASTER_PORT),
-                   "--max-restarts", "0", "--monitor-interval", "0.1",
+                   "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
                    "-m", "gossamer", "train", *train_args]
             worker_env = {**env, "GLOO_SOCKET_IFNAME": net.interface(rank)}
             workers.append(_start(rank, cmd, worker_env, output))
-        code = _supervise(workers, guard, grace, output)
+        code, _ = _supervise(workers, guard, grace, output)
         after = [net.counters(rank) for rank in range(nproc)]
         report = _network_report(net, before, after)
         # the workers are gone; the network goes next
@@ -229,8 +248,9 @@ def _pump(source: IO[bytes], sink: IO[str], prefix: str, output: _Output,
 
 
 def _supervise(workers: list[_Worker], guard: SignalGuard, grace: float,
-               output: _Output) -> int:
-    """Wait for the workers; when one fails, stop the others. The exit code."""
+               output: _Output) -> tuple[int, bool]:
+    """Wait for the workers; when one fails, stop the others. The exit code, and whether
+    the launcher was interrupted."""
     failed: tuple[int, int] | None = None
     try:
         while True:
@@ -251,12 +271,12 @@ def _supervise(workers: list[_Worker], guard: SignalGuard, grace: float,
                    "here on)")
         with guard.shielded(reraise=False):
             _stop(workers, grace)
-        return exc.exit_code
+        return exc.exit_code, True
     if failed is None:
-        return 0
+        return 0, False
     rank, code = failed
     output.say(f"failed: rank {rank} {_exit_text(code)}")
-    return code if code > 0 else 128 - code
+    return (code if code > 0 else 128 - code), False
 
 
 def _exit_text(code: int) -> str:

@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossamer.algorithms.nonfinite import POLICIES as NONFINITE_POLICIES
 from gossamer.checks import check_int, check_positive
+from gossamer.comm.faults import check_faults
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
@@ -61,12 +63,17 @@ class TrainConfig:
     keep_checkpoints: int = 3  # newest checkpoints kept on disk (0: all)
     resume: bool = False  # continue from run_dir's latest checkpoint
     tensorboard: bool = False  # also log to TensorBoard in run_dir/tensorboard
+    # torch.distributed has no authentication: whoever reaches the store's port can join
+    bind_all: bool = False  # real runs: rendezvous on all interfaces, not only MASTER_ADDR
     # simulator (sim > 0)
     sim: int = 0  # simulated workers; 0: real processes from the launcher environment
     latency: float = 50e-6  # seconds per message
     bandwidth: float = 125e6  # bytes per second per link (1 Gbit/s)
     compute_time: float = 0.01  # seconds of compute per step
     timeout: float = 300.0  # seconds a worker waits for a peer before failing (virtual in sim)
+    # failures (see gossamer.comm.faults and gossamer.algorithms.nonfinite)
+    faults: tuple[str, ...] = ()  # repeatable RANK:STEP:KIND, KIND crash|hang|slow:FACTOR|nan
+    nonfinite: str = "raise"  # a NaN/inf gradient or parameter: raise (stop), or skip (that update)
     quiet: bool = False  # no progress bar, summary only
 
     def __post_init__(self) -> None:
@@ -87,6 +94,14 @@ class TrainConfig:
         check_positive("bandwidth", self.bandwidth, allow_zero=False)
         check_positive("compute_time", self.compute_time, allow_zero=True)
         check_positive("timeout", self.timeout, allow_zero=False)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        faults = (self.faults,) if isinstance(self.faults, str) else tuple(self.faults)
+        object.__setattr__(self, "faults", tuple(
+            str(f) for f in check_faults(faults, world_size=self.sim or None, steps=self.steps)))
+        for name in ("lr", "weight_decay", "min_lr", "gamma", "alpha", "latency",
+                     "compute_time"):
+            if math.isinf(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
@@ -105,6 +120,7 @@ class TrainConfig:
         d = asdict(self)
         d["options"] = dict(self.options)
         d["milestones"] = list(self.milestones)
+        d["faults"] = list(self.faults)
         return d
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -162,6 +178,10 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         value = data["milestones"]
         data["milestones"] = tuple(value) if isinstance(value, (list, tuple)) else (
             () if value is None else (value,))
+    if "faults" in data:
+        value = data["faults"]
+        data["faults"] = tuple(value) if isinstance(value, (list, tuple)) else (
+            () if value is None else (value,))
     hints = typing.get_type_hints(TrainConfig)
     for key, value in data.items():
         # YAML reads 1e-3 as a string: numbers are taken in any spelling float() accepts
@@ -199,6 +219,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         elif name == "milestones":
             parser.add_argument(flag, type=int, nargs="*", default=None, help=help_text)
+        elif name == "faults":  # one fault per flag: --fault 1:5:crash --fault 2:9:nan
+            parser.add_argument("--fault", dest="faults", action="append", default=None,
+                                metavar="RANK:STEP:KIND", help=help_text)
         else:
             base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)
             parser.add_argument(flag, type=base if inspect.isclass(base) else str,
@@ -213,7 +236,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
     for name in _FIELDS:
         value = getattr(args, name, None)
         if value is not None and name not in _NOT_FLAGS:
-            settings[name] = tuple(value) if name == "milestones" else value
+            settings[name] = tuple(value) if name in ("milestones", "faults") else value
     if getattr(args, "option", None):
         options = dict(settings.get("options", {}))
         options.update(parse_options(args.option))

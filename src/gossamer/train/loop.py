@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from torch import nn
 from gossamer.algorithms import create, model_tensors
 from gossamer.api import distribute
 from gossamer.comm.base import Communicator
+from gossamer.comm.faults import FaultInjector
 from gossamer.train import checkpoint as ckpt
+from gossamer.train.agreement import check_agreement, describe_run
 from gossamer.train.config import TrainConfig, learning_rate
 from gossamer.train.data import (
     Dataset,
@@ -198,12 +201,19 @@ def resolve_model(config: TrainConfig) -> str:
 
 def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> dict[str, Any]:
     """Train this worker's replica; rank 0's result carries the run's metrics."""
+    # Every worker must train the same thing: a mismatch stops them all here, before the
+    # algorithm's first collective. Its traffic and time are not the algorithm's.
+    b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
+    check_agreement(comm, describe_run(config, comm.world_size, dataset))
+    setup = {"bytes": comm.stats.total_bytes_sent - b,
+             "messages": comm.stats.total_messages_sent - m, "time": comm.clock() - t}
     torch.manual_seed(config.seed)  # the same initial model on every worker
     device = getattr(comm, "device", torch.device("cpu"))  # CUDA under NCCL
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     model.to(device)
     optimizer = distribute(model, make_optimizer(config, model),
-                           create(config.algorithm, config.options), comm)
+                           create(config.algorithm, config.options), comm,
+                           nonfinite=config.nonfinite)
     runtime = optimizer.runtime
     runtime.total_steps = config.steps
     shards = partition(dataset.y_train.numpy(), comm.world_size, scheme=config.partition,
@@ -211,11 +221,12 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
     sampler = ShardSampler(shards[comm.rank], config.batch_size,
                            seed=config.seed * 7919 + comm.rank)
     # Traffic and time spent only to measure or checkpoint, not by the algorithm.
-    excluded = {"bytes": 0, "messages": 0, "time": 0.0}
+    excluded = dict(setup)
     offsets = {"bytes": 0, "messages": 0, "time": 0.0}  # carried over from before a resume
     start = 0
     if config.resume:
-        start, shard, shared = ckpt.load_checkpoint(config.run_dir, comm.rank, comm.world_size)
+        # the newest checkpoint that every worker verifies (the workers agree on its step)
+        start, shard, shared = ckpt.resume_checkpoint(comm, config.run_dir)
         state = shared if shared is not None else shard
         model.load_state_dict(state["model"])
         for name, buffer in model.named_buffers():
@@ -252,7 +263,11 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
 
     window_loss, window_count = 0.0, 0
     last: dict[str, Any] = {}
+    faults = FaultInjector(config.faults, comm.rank, comm.world_size)  # --fault, for tests
     for step in range(start, config.steps):
+        done = step + 1
+        faults.begin_step(comm, done)  # an injected crash, hang or slow-down starts here
+        started = time.perf_counter()
         lr = learning_rate(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -264,8 +279,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
                            dataset.y_train[batch].to(device))
             (loss / config.accumulation).backward()
             step_loss += loss.item() / config.accumulation
+        faults.after_backward(done, params, time.perf_counter() - started)
         optimizer.step()
-        done = step + 1
         if done == config.steps:
             optimizer.finish()
             batches = getattr(runtime.config, "reestimate_batchnorm", 0) \
@@ -275,8 +290,9 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
 
                 reestimate_batchnorm(comm, model, (
                     dataset.x_train[sampler.next_batch()].to(device) for _ in range(batches)))
-        window_loss, window_count = window_loss + step_loss, window_count + 1
-        if not math.isfinite(step_loss):
+        if math.isfinite(step_loss):
+            window_loss, window_count = window_loss + step_loss, window_count + 1
+        elif config.nonfinite == "raise":  # (under "skip", the step's update was skipped)
             raise FloatingPointError(f"rank {comm.rank}: the loss became {step_loss} at step "
                                      f"{done}; lower the learning rate")
         if comm.rank == 0 and done % config.log_every == 0:
@@ -286,7 +302,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         if done == config.steps or (config.eval_every and done % config.eval_every == 0):
             runtime.before_eval()
             last = excluding(_measure, comm, config, dataset, model, params, runtime,
-                             window_loss / window_count, counters(), examples_per_step, done)
+                             window_loss / window_count if window_count else math.nan,
+                             counters(), examples_per_step, done)
             window_loss, window_count = 0.0, 0
             if comm.rank == 0:
                 metrics.write(last)
@@ -341,13 +358,14 @@ def _measure(
         else:
             own_loss, own_acc = float("nan"), float("nan")
         sent, messages, clock = counters
-        scalars = torch.tensor([own_sq, train_loss, sent, messages, clock], dtype=torch.float64)
+        scalars = torch.tensor([own_sq, train_loss, sent, messages, clock,
+                                runtime.skipped_steps], dtype=torch.float64)
         comm.all_reduce(scalars, op="mean")
         per_worker = comm.all_gather(torch.tensor([own_loss, own_acc], dtype=torch.float64))
         if comm.rank != 0:
             return {}
         eval_loss, eval_acc = evaluate(averaged, dataset.x_test, dataset.y_test)
-    consensus, mean_loss, mean_sent, mean_messages, mean_clock = scalars.tolist()
+    consensus, mean_loss, mean_sent, mean_messages, mean_clock, mean_skipped = scalars.tolist()
     return {
         "kind": "eval",
         "step": step,
@@ -360,6 +378,8 @@ def _measure(
         "bytes_sent": mean_sent,
         "messages_sent": mean_messages,
         "synchronizations": runtime.synchronizations,
+        # updates skipped (or own gradients dropped) for non-finite values, over all workers
+        "skipped_steps": round(mean_skipped * comm.world_size),
         "wall_clock": mean_clock,
         "examples_per_second": examples_per_step * step / mean_clock if mean_clock > 0
         else float("nan"),
@@ -414,14 +434,14 @@ def prepare(config: TrainConfig) -> Dataset:
 # steps, which may be raised to train longer (a cosine schedule then stretches).
 _FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers", "log_every",
                    "checkpoint_every", "keep_checkpoints", "timeout", "run_dir", "world_size",
-                   "steps"}
+                   "steps", "faults", "bind_all"}
 
 
 def check_resume(config: TrainConfig) -> None:
     """A resumed run must have a checkpoint and the settings it was started with."""
     import yaml
 
-    if ckpt.latest_checkpoint(config.run_dir) is None:
+    if not ckpt.checkpoint_candidates(config.run_dir):
         raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
     path = Path(config.run_dir) / "config.yaml"
     if not path.is_file():
@@ -455,6 +475,13 @@ def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> No
 
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    pointer = run_dir / "checkpoints" / "latest"
+    if pointer.is_file():
+        # so that an elastic restart (or --resume) of this run never resumes the earlier one
+        warnings.warn(f"run_dir {str(run_dir)!r} holds checkpoints of an earlier run; this run "
+                      "starts over and replaces them (pass --resume to continue it instead)",
+                      stacklevel=3)
+        pointer.unlink()
     resolved = {**config.as_dict(), "model": resolve_model(config), "world_size": world_size}
     ckpt.atomic_write_bytes(run_dir / "config.yaml",
                             yaml.safe_dump(resolved, sort_keys=False).encode())
@@ -464,6 +491,28 @@ def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> No
     ckpt.atomic_write_bytes(run_dir / "partition.json", json.dumps(split).encode())
 
 
+def elastic_restart(config: TrainConfig, environ: Mapping[str, str] | None = None) -> int:
+    """The restart count when this worker group restarted and resumes by itself; 0 otherwise.
+
+    torchrun ``--max-restarts N`` (and ``gossamer launch --max-restarts N``) restarts every
+    worker when one fails, with ``TORCHELASTIC_RESTART_COUNT`` counting the restarts. A
+    restarted real (not simulated) run with a ``run_dir`` and no ``--resume`` resumes from
+    the run's newest checkpoint as if ``--resume`` had been given; with no checkpoint yet
+    (the failure came before the first), it starts over from step 0. Each worker decides from
+    what it sees in ``run_dir``; the agreement check at the start of training and the agreed
+    step of the checkpoint stop every worker if they saw different things.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        raise ValueError("TORCHELASTIC_RESTART_COUNT must be an integer, got "
+                         f"{env['TORCHELASTIC_RESTART_COUNT']!r}") from None
+    if count <= 0 or config.sim or config.resume or not config.run_dir:
+        return 0
+    return count if ckpt.checkpoint_candidates(config.run_dir) else 0
+
+
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in the simulator (``sim > 0``) or in this process of a launched job.
 
@@ -471,6 +520,9 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     ``world_size`` and ``history`` (rank 0's eval records) added.
     """
     dataset = prepare(config)
+    restart = elastic_restart(config)
+    if restart:
+        config = config.replace(resume=True)
     if config.resume:
         check_resume(config)
     if config.sim > 0:
@@ -491,8 +543,11 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
-        comm = TorchCommunicator.from_env(timeout=config.timeout)
+        comm = TorchCommunicator.from_env(timeout=config.timeout, bind_all=config.bind_all)
         try:
+            if restart and comm.rank == 0:
+                print(f"gossamer: restart {restart} of the worker group: resuming from "
+                      f"{ckpt.checkpoint_candidates(config.run_dir)[0].name}", file=sys.stderr)
             check_shards(config, dataset, comm.world_size)
             if config.run_dir and not config.resume:
                 if comm.rank == 0:
