@@ -123,3 +123,54 @@ def barrier_time(n: int, network: NetworkModel, members: Sequence[int]) -> float
         max(network.message_time(members[i], members[(i + (1 << r)) % n], 0) for i in range(n))
         for r in range(barrier_rounds(n))
     )
+
+
+def fit_ring_all_reduce(
+    samples: Sequence[tuple[int, int, float]], element_size: int = 4
+) -> NetworkModel:
+    """The alpha-beta :class:`NetworkModel` that best explains measured all-reduce times.
+
+    Each sample is ``(workers, nbytes, seconds)``: one all-reduce of ``nbytes`` over
+    ``workers`` ranks took ``seconds``. The model of :func:`ring_all_reduce_time`,
+    ``2 (n - 1) (alpha + chunk * beta)`` with ``chunk`` the bytes of one ring chunk, is fitted
+    by least squares on the relative error, so that small and large messages weigh alike. A
+    negative latency is not physical: the fit is then redone with ``alpha = 0``.
+
+    Args:
+        samples: at least two, with at least two different chunk sizes; ``workers >= 2``.
+        element_size: bytes per element (default 4, float32), for the chunk rounding.
+
+    Returns a :class:`NetworkModel` with the fitted ``latency`` (alpha) and ``bandwidth``
+    (1 / beta). Raises ValueError when the samples cannot determine both.
+
+    Example::
+
+        net = fit_ring_all_reduce([(4, 10**6, 0.0125), (4, 10**8, 1.21)])
+        net.latency, net.bandwidth   # seconds per message, bytes per second
+    """
+    import numpy as np
+
+    rows, chunks = [], set()
+    for n, nbytes, seconds in samples:
+        if n < 2:
+            raise ValueError(f"samples: an all-reduce of {n} worker(s) moves nothing, got {n}")
+        if not seconds > 0:
+            raise ValueError(f"samples: times must be > 0 seconds, got {seconds!r}")
+        numel = -(-int(nbytes) // element_size)
+        chunk = -(-numel // n) * element_size
+        chunks.add(chunk)
+        steps = 2 * (n - 1)
+        rows.append((steps / seconds, steps * chunk / seconds))
+    if len(chunks) < 2:
+        raise ValueError("samples: need at least two different message sizes to separate "
+                         "latency from bandwidth")
+    a = np.array(rows, dtype=np.float64)
+    ones = np.ones(len(rows))
+    (alpha, beta), *_ = np.linalg.lstsq(a, ones, rcond=None)
+    if alpha < 0:
+        alpha = 0.0
+        beta = float(a[:, 1] @ ones / (a[:, 1] @ a[:, 1]))
+    if not beta > 0:
+        raise ValueError("samples: the times do not grow with the message size; no "
+                         "bandwidth fits them")
+    return NetworkModel(latency=float(alpha), bandwidth=float(1 / beta))

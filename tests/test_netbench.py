@@ -1,0 +1,103 @@
+"""The network benchmarks' library pieces: fitting the alpha-beta model to measured
+all-reduce times, and the emulated-network runner of ``benchmarks/`` (skipped unless this
+machine can emulate: root, ip, tc with tbf)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from gossamer.comm.cost import fit_ring_all_reduce, ring_all_reduce_time
+from gossamer.comm.network import NetworkModel
+
+
+def _times(net: NetworkModel, sizes, workers=(2, 4)):
+    return [(n, s, ring_all_reduce_time(n, s // 4, 4, net, list(range(n))))
+            for n in workers for s in sizes]
+
+
+def test_fit_recovers_the_model_that_made_the_times():
+    truth = NetworkModel(latency=120e-6, bandwidth=118e6)
+    fitted = fit_ring_all_reduce(_times(truth, [4096, 65536, 10**6, 10**7, 10**8]))
+    assert math.isclose(fitted.latency, truth.latency, rel_tol=1e-6)
+    assert math.isclose(fitted.bandwidth, truth.bandwidth, rel_tol=1e-6)
+
+
+def test_fit_weighs_relative_errors_so_small_messages_set_the_latency():
+    truth = NetworkModel(latency=1e-3, bandwidth=125e6)
+    samples = _times(truth, [4096, 10**8])
+    # 10% noise on the large message's time moves the bandwidth, not the latency, much
+    noisy = [(n, s, t * (1.1 if s == 10**8 else 1.0)) for n, s, t in samples]
+    fitted = fit_ring_all_reduce(noisy)
+    assert abs(fitted.latency - 1e-3) / 1e-3 < 0.05
+    assert 0.88 < fitted.bandwidth / 125e6 < 0.94
+
+
+def test_fit_clamps_a_negative_latency_to_zero():
+    # times that shrink less than proportionally at small sizes would need alpha < 0
+    samples = [(2, 10**6, 0.004), (2, 10**8, 0.8)]
+    fitted = fit_ring_all_reduce(samples)
+    assert fitted.latency == 0.0
+    assert 125e6 < fitted.bandwidth < 250e6
+
+
+@pytest.mark.parametrize("samples, match", [
+    ([(1, 10**6, 0.1), (2, 10**7, 1.0)], "1 worker"),
+    ([(2, 10**6, 0.0), (2, 10**7, 1.0)], "> 0 seconds"),
+    ([(2, 10**6, 0.1), (2, 10**6, 0.2)], "two different message sizes"),
+    ([(2, 10**6, 0.2), (2, 10**8, 0.1)], "do not grow"),
+])
+def test_fit_rejects_samples_that_cannot_determine_the_model(samples, match):
+    with pytest.raises(ValueError, match=match):
+        fit_ring_all_reduce(samples)
+
+
+def _benchmarks_importable() -> None:
+    root = str(Path(__file__).resolve().parents[1])  # benchmarks/ is not installed
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def _can_emulate() -> str | None:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "network emulation needs root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "network emulation needs iproute2 (ip, tc)"
+    _benchmarks_importable()
+    from benchmarks.emulation import EmulationUnavailable, require_emulation
+
+    try:
+        require_emulation()
+    except EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.gloo
+def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traffic():
+    reason = _can_emulate()
+    if reason:
+        pytest.skip(reason)
+    from benchmarks.emulation import run_task
+    from gossamer.launch import LinkSpec
+    from gossamer.launch.netem import leftovers
+
+    size = 10**6
+    results, traffic = run_task(
+        [LinkSpec(bandwidth=1e9, mtu=9000)] * 2,
+        {"kind": "collectives", "args": {"sizes": [size], "reps": {str(size): 2}}},
+        timeout=60, echo=False)
+    assert [r["rank"] for r in results] == [0, 1]
+    times = results[0]["rows"][0]["times"]
+    assert len(times) == 2
+    # 1 MB over 1 Gbit/s is 8 ms of wire time per direction, less what the token bucket's
+    # burst (1 ms of the rate, 125 kB) lets through at once: 7 ms at least
+    assert all(t >= 0.007 for t in times)
+    # 1 untimed + 2 timed all-reduces, each sending the whole megabyte at 2 workers
+    assert traffic[0]["tx_bytes"] >= 3 * size
+    assert not [n for n in leftovers(include_live=True) if n.startswith(f"gsm-{os.getpid()}-")]
