@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gossamer.comm.base import CommError
+from gossamer.comm.base import DEFAULT_TIMEOUT, CommError, default_timeout
 from gossamer.comm.cost import ring_all_reduce_traffic
 from gossamer.comm.torch_comm import (
     LaunchEnv,
@@ -318,3 +318,21 @@ def _nccl_all_reduce() -> list[float]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_all_reduce() -> None:
     assert spawn_gloo(_nccl_all_reduce, 1, timeout=120) == [[2.0]]
+
+
+@pytest.mark.gloo
+def test_timeout_defaults_to_the_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert default_timeout("gloo") == default_timeout("sim") == 300.0
+    assert default_timeout("NCCL") == 600.0  # torch's own NCCL default: slower start-up
+    assert default_timeout("mpi") == DEFAULT_TIMEOUT
+    comm = TorchCommunicator.from_env(backend="gloo")
+    try:
+        assert comm.timeout == 300.0
+        assert TorchCommunicator(timeout=7).timeout == 7.0  # configured wins
+        with pytest.raises(ValueError, match="timeout"):
+            TorchCommunicator(timeout=0)
+    finally:
+        comm.close()

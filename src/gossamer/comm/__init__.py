@@ -8,11 +8,13 @@
 
 from gossamer.comm.base import (
     DEFAULT_TIMEOUT,
+    DEFAULT_TIMEOUTS,
     CommError,
     CommStats,
     CommTimeoutError,
     Communicator,
     Handle,
+    default_timeout,
 )
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.sim import SimReport, SimulationError, SimWorld
@@ -20,6 +22,7 @@ from gossamer.comm.torch_comm import TorchCommunicator
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "DEFAULT_TIMEOUTS",
     "CommError",
     "CommStats",
     "CommTimeoutError",
@@ -31,4 +34,5 @@ __all__ = [
     "SimWorld",
     "SimulationError",
     "TorchCommunicator",
+    "default_timeout",
 ]

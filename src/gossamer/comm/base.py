@@ -24,6 +24,19 @@ ReduceOp = Literal["sum", "mean"]
 #: Seconds a blocking operation waits for a peer before it fails, unless configured otherwise.
 DEFAULT_TIMEOUT = 300.0
 
+#: The default timeout of each backend. gloo and the simulator (virtual seconds, so that a
+#: simulated run fails when the real one would): 300 s, far above any step of a CPU job, short
+#: enough that a dead peer is reported within minutes. NCCL: 600 s (torch's own NCCL default),
+#: because NCCL builds its communicators during the first collective, which takes longer the
+#: more nodes there are, and GPU jobs checkpoint larger models while the others wait.
+DEFAULT_TIMEOUTS = {"sim": 300.0, "gloo": 300.0, "nccl": 600.0}
+
+
+def default_timeout(backend: str) -> float:
+    """Seconds a blocking operation of ``backend`` waits by default (:data:`DEFAULT_TIMEOUTS`;
+    :data:`DEFAULT_TIMEOUT` for a backend not listed there)."""
+    return DEFAULT_TIMEOUTS.get(str(backend).lower(), DEFAULT_TIMEOUT)
+
 
 class CommError(RuntimeError):
     """A communication operation failed; the message names the operation and the peer(s)."""

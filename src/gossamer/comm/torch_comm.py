@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from gossamer.comm import cost, faults
 from gossamer.comm.base import (
-    DEFAULT_TIMEOUT,
     CommError,
     CommStats,
     CommTimeoutError,
@@ -37,6 +36,7 @@ from gossamer.comm.base import (
     ReduceOp,
     check_exchange,
     check_rank,
+    default_timeout,
     tensor_nbytes,
 )
 from gossamer.comm.p2p_group import P2PGroup, check_headers, divide_, numel_of, shape_header
@@ -364,7 +364,7 @@ class TorchCommunicator:
         self,
         group: dist.ProcessGroup | None = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
         store: dist.Store | None = None,
         store_addr: tuple[str, int] | None = None,
     ) -> None:
@@ -373,7 +373,8 @@ class TorchCommunicator:
                 "torch.distributed is not initialised: call TorchCommunicator.from_env() or "
                 "dist.init_process_group() first"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self._group)
@@ -384,7 +385,7 @@ class TorchCommunicator:
         self._backend = str(dist.get_backend(self._group))
         # the sentinels of receive buffers (see _Exchange); never the global RNG
         self._sentinel_rng = torch.Generator().manual_seed(0x5E17 + self._rank)
-        self._timeout = float(timeout)
+        self._timeout = float(timeout if timeout is not None else default_timeout(self._backend))
         self._stats = CommStats()
         self._t0 = time.perf_counter()
         self._seq = 0  # collectives started: every member runs the same sequence
@@ -407,7 +408,7 @@ class TorchCommunicator:
         cls,
         *,
         backend: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
         bind_all: bool = False,
     ) -> TorchCommunicator:
         """Initialise torch.distributed from the launcher's environment and wrap it.
@@ -417,6 +418,8 @@ class TorchCommunicator:
         hosts the TCPStore (the torchelastic agent does when ``TORCHELASTIC_USE_AGENT_STORE``
         is ``True``); it listens on MASTER_ADDR only, or on all interfaces with
         ``bind_all=True``. If the default group exists already, it is wrapped as it is.
+        ``timeout`` (seconds each blocking operation and the rendezvous wait) defaults to the
+        backend's (:func:`gossamer.comm.default_timeout`: 300 s on gloo, 600 s on NCCL).
         """
         if dist.is_initialized():
             return cls(timeout=timeout)
@@ -437,6 +440,8 @@ class TorchCommunicator:
         port = env.master_port
         if env.world_size == 1 and "MASTER_PORT" not in os.environ:
             port = 0  # alone: any free port, so that single runs never collide on 29500
+        if timeout is None:
+            timeout = default_timeout(backend)
         span = timedelta(seconds=timeout)
         listen_fd = None
         if is_master and not bind_all:
@@ -608,10 +613,9 @@ class TorchCommunicator:
         sentinels: dict[int, torch.Tensor] = {}
         deadline = time.perf_counter() + self._timeout
         try:
-            for peer, t in sends.items():
-                buf = t if t.is_contiguous() else t.contiguous()
-                kept.append(buf)
-                works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
+            # Receives first: gloo then writes an arriving message straight into the posted
+            # buffer. Sends posted first make a pair that swaps messages take twice the wire
+            # time on a shaped link (measured: BENCHMARKS.md, "emulated network", part a).
             for peer in recv_from:
                 assert like is not None  # check_exchange guarantees it
                 buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
@@ -621,6 +625,10 @@ class TorchCommunicator:
                                                     generator=self._sentinel_rng)
                     _tail(buf).copy_(sentinels[peer])
                 works.append(dist.irecv(buf, self._global_ranks[peer], group=self._group))
+            for peer, t in sends.items():
+                buf = t if t.is_contiguous() else t.contiguous()
+                kept.append(buf)
+                works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
         except dist.DistError as exc:
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
         for peer, t in sends.items():

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer.checks import check_positive
-from gossamer.comm.base import DEFAULT_TIMEOUT, Communicator
+from gossamer.comm.base import Communicator
 from gossamer.compress import (
     QSGD,
     Compressor,
@@ -89,7 +89,8 @@ class CompressionState:
             ``process_group``).
         process_group: DDP's process group (default: the default group); only used when
             ``comm`` is None.
-        timeout: seconds a collective may wait (default 300); only used when ``comm`` is None.
+        timeout: seconds a collective may wait (default: the backend's, 300 s on gloo, 600 s
+            on NCCL); only used when ``comm`` is None.
     """
 
     def __init__(
@@ -103,7 +104,7 @@ class CompressionState:
         weight_decay: float | dict[torch.Tensor, float] = 0.0,
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -221,7 +222,7 @@ class DGCState(CompressionState):
         node_size: int = 1,
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
     ) -> None:
         compressor = DGCCompressor(ratio=ratio, sample_ratio=sample_ratio,
                                    warmup_steps=warmup_steps, warmup_stages=warmup_stages,
@@ -253,7 +254,7 @@ class TopKState(CompressionState):
     def __init__(self, model: nn.Module, *, ratio: float = 0.01, error_feedback: bool = True,
                  fp16_values: bool = False, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         super().__init__(model, TopK(ratio=ratio, fp16_values=fp16_values),
                          ErrorFeedback() if error_feedback else None, comm=comm,
                          process_group=process_group, timeout=timeout)
@@ -274,7 +275,7 @@ class QSGDState(CompressionState):
     def __init__(self, model: nn.Module, *, levels: int = 127, bucket_size: int = 512,
                  error_feedback: bool = False, seed: int = 0, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         super().__init__(model, QSGD(levels=levels, bucket_size=bucket_size, seed=seed),
                          ErrorFeedback() if error_feedback else None, comm=comm,
                          process_group=process_group, timeout=timeout)
@@ -295,7 +296,7 @@ class PowerSGDState(CompressionState):
     def __init__(self, model: nn.Module, *, rank: int = 2, warm_start: bool = True,
                  error_feedback: bool = True, seed: int = 0, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         super().__init__(model, PowerSGD(rank=rank, warm_start=warm_start, seed=seed),
                          ErrorFeedback() if error_feedback else None, comm=comm,
                          process_group=process_group, timeout=timeout)

@@ -38,7 +38,7 @@ from torch import nn
 
 from gossamer.algorithms.base import average_tensors, model_tensors
 from gossamer.algorithms.gossipgrad import GradientGossip
-from gossamer.comm.base import DEFAULT_TIMEOUT, Communicator
+from gossamer.comm.base import Communicator
 
 __all__ = ["GossipGraDState", "gossipgrad_hook"]
 
@@ -60,8 +60,8 @@ class GossipGraDState:
             ``process_group``).
         process_group: the DDP process group (default: the default group); only used when
             ``comm`` is None.
-        timeout: seconds an exchange may wait for a peer (default 300); only used when
-            ``comm`` is None.
+        timeout: seconds an exchange may wait for a peer (default: the backend's, 300 s on
+            gloo, 600 s on NCCL); only used when ``comm`` is None.
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class GossipGraDState:
         shuffle: bool = True,
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        timeout: float | None = None,
     ) -> None:
         if comm is None:
             from gossamer.comm.torch_comm import TorchCommunicator

@@ -70,7 +70,8 @@ class TrainConfig:
     latency: float = 50e-6  # seconds per message
     bandwidth: float = 125e6  # bytes per second per link (1 Gbit/s)
     compute_time: float = 0.01  # seconds of compute per step
-    timeout: float = 300.0  # seconds a worker waits for a peer before failing (virtual in sim)
+    # None: the backend's default (gossamer.comm.DEFAULT_TIMEOUTS)
+    timeout: float | None = None  # seconds to wait for a peer (virtual in sim); 300, NCCL 600
     # failures (see gossamer.comm.faults and gossamer.algorithms.nonfinite)
     faults: tuple[str, ...] = ()  # repeatable RANK:STEP:KIND, KIND crash|hang|slow:FACTOR|nan
     nonfinite: str = "raise"  # a NaN/inf gradient or parameter: raise (stop), or skip (that update)
@@ -93,7 +94,8 @@ class TrainConfig:
         check_positive("latency", self.latency, allow_zero=True)
         check_positive("bandwidth", self.bandwidth, allow_zero=False)
         check_positive("compute_time", self.compute_time, allow_zero=True)
-        check_positive("timeout", self.timeout, allow_zero=False)
+        if self.timeout is not None:
+            check_positive("timeout", self.timeout, allow_zero=False)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         faults = (self.faults,) if isinstance(self.faults, str) else tuple(self.faults)
         object.__setattr__(self, "faults", tuple(

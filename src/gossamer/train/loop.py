@@ -27,7 +27,7 @@ from torch import nn
 
 from gossamer.algorithms import create, model_tensors
 from gossamer.api import distribute
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, default_timeout
 from gossamer.comm.faults import FaultInjector
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.agreement import check_agreement, describe_run
@@ -536,7 +536,7 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             network=NetworkModel(latency=config.latency, bandwidth=config.bandwidth),
             compute=ComputeModel(step_time=config.compute_time),
             seed=config.seed,
-            timeout=config.timeout,
+            timeout=config.timeout if config.timeout is not None else default_timeout("sim"),
         )
         result = world.run(train_worker, config, dataset)[0]
         result["mode"] = "simulated"
