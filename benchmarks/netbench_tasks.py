@@ -180,7 +180,7 @@ def _swap_receive_first(comm, tensor: torch.Tensor) -> None:
 #: Point-to-point patterns, one message of the size on every link in use:
 #: ``shift``, rank i sends to i + 1 and receives from i - 1 (``comm.exchange``; each TCP
 #: connection carries one direction when n > 2); ``swap``, ranks 2k and 2k + 1 send to each
-#: other (``comm.exchange``, which posts its send before its receive); ``swap, receive first``,
+#: other (``comm.exchange``, which posts its receive before its send); ``swap, receive first``,
 #: the same with torch.distributed's irecv posted before the isend, to compare.
 P2P_PATTERNS = {"shift": _shift, "swap": _swap, "swap, receive first": _swap_receive_first}
 
