@@ -106,10 +106,16 @@ def _plot_steps(b: dict[str, Any], c: dict[str, Any] | None, path: Path) -> Path
         ax.bar([x + width / 2 for x in xs], [sim[a]["seconds_per_step"] * 1e3
                                              for a in algorithms], width,
                label="SimWorld (fitted alpha-beta, measured local work)")
-    ax.set_xticks(list(xs))
+    return _finish_bars(fig, ax, algorithms, "ms per step (slowest worker)",
+                        "one training step, 4 workers, 1 Gbit/s, MLP of 5.8M parameters", path)
+
+
+def _finish_bars(fig, ax, algorithms: list[str], ylabel: str, title: str, path: Path) -> Path:
+    """Label a bar chart with one group of bars per algorithm, and write it to ``path``."""
+    ax.set_xticks(list(range(len(algorithms))))
     ax.set_xticklabels(algorithms, rotation=30, ha="right")
-    ax.set_ylabel("ms per step (slowest worker)")
-    ax.set_title("one training step, 4 workers, 1 Gbit/s, MLP of 5.8M parameters")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
     fig.tight_layout()
@@ -134,15 +140,8 @@ def _plot_stragglers(b: dict[str, Any], d: dict[str, Any], settings, path: Path)
                 / b["algorithms"][a]["steps_per_second"] for a in algorithms], 0.4,
                label=label)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(algorithms, rotation=30, ha="right")
-    ax.set_ylabel("throughput relative to no straggler")
-    ax.set_title("one straggler, 4 workers, 1 Gbit/s")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    return _finish_bars(fig, ax, algorithms, "throughput relative to no straggler",
+                        "one straggler, 4 workers, 1 Gbit/s", path)
 
 
 def _plot_accuracy(e: dict[str, Any], settings, path: Path) -> Path:

@@ -293,29 +293,37 @@ _TRAIN = ["--steps", "150", "--checkpoint-every", "20", "--eval-every", "0", "--
           "--timeout", "30"]
 
 
+def _reference_and_faulty(tmp_path: Path, reference: list[str], faulty: list[str],
+                          rank: int) -> tuple[str, int, Path, Path]:
+    """Run ``reference`` and ``faulty`` (commands to which ``--run-dir DIR`` is appended) side
+    by side; SIGKILL ``faulty``'s worker of ``rank`` after its first checkpoint. Both must
+    succeed. Returns ``faulty``'s output, the step it was killed at, and both run dirs."""
+    env = _clean_env()
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "faulty"
+    procs = [subprocess.Popen([*cmd, "--run-dir", str(d)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for cmd, d in ((reference, ref_dir), (faulty, run_dir))]
+    try:
+        killed_at = _kill_after_first_checkpoint(procs[1], run_dir, rank=rank)
+        out, _ = procs[1].communicate(timeout=120)
+        ref_out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, ref_out[-3000:]
+    assert procs[1].returncode == 0, out[-3000:]
+    return out, killed_at, ref_dir, run_dir
+
+
 @pytest.mark.gloo
 def test_torchrun_restart_after_kill_9_resumes_and_ends_equal(tmp_path):
     """allreduce, 2 workers under torchrun --max-restarts 1; rank 1 killed with SIGKILL."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", "--monitor-interval", "0.1"]
     train = ["-m", "gossamer", "train", *_TRAIN]
-    env = _clean_env()
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "faulty"
-    reference = subprocess.Popen([*torchrun, *train, "--run-dir", str(ref_dir)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    faulty = subprocess.Popen([*torchrun, "--max-restarts", "1", *train, "--run-dir",
-                               str(run_dir)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        killed_at = _kill_after_first_checkpoint(faulty, run_dir, rank=1)
-        out, _ = faulty.communicate(timeout=120)
-        ref_out, _ = reference.communicate(timeout=120)
-    finally:
-        for p in (faulty, reference):
-            p.kill()
-            p.wait()
-    assert reference.returncode == 0, ref_out[-3000:]
-    assert faulty.returncode == 0, out[-3000:]
+    out, killed_at, ref_dir, run_dir = _reference_and_faulty(
+        tmp_path, [*torchrun, *train], [*torchrun, "--max-restarts", "1", *train], rank=1)
     assert "exitcode: -9" in out  # the kill was seen...
     assert "restart 1 of the worker group: resuming from step-" in out  # ...and recovered
     assert 20 <= killed_at < 150
@@ -330,24 +338,10 @@ def test_gossamer_launch_restart_after_kill_9_resumes_local_sgd_equal(tmp_path):
     """local SGD, 2 workers under gossamer launch --max-restarts 1; rank 0 (which hosts the
     rendezvous store) killed with SIGKILL."""
     train = [*_TRAIN, "--algorithm", "localsgd", "--option", "period=4"]
-    env = _clean_env()
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "faulty"
     launch = [sys.executable, "-m", "gossamer", "launch", "--nproc", "2"]
-    reference = subprocess.Popen([*launch, "--", *train, "--run-dir", str(ref_dir)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    faulty = subprocess.Popen([*launch, "--max-restarts", "1", "--", *train, "--run-dir",
-                               str(run_dir)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        _kill_after_first_checkpoint(faulty, run_dir, rank=0)
-        out, _ = faulty.communicate(timeout=120)
-        ref_out, _ = reference.communicate(timeout=120)
-    finally:
-        for p in (faulty, reference):
-            p.kill()
-            p.wait()
-    assert reference.returncode == 0, ref_out[-3000:]
-    assert faulty.returncode == 0, out[-3000:]
+    out, _, ref_dir, run_dir = _reference_and_faulty(
+        tmp_path, [*launch, "--", *train], [*launch, "--max-restarts", "1", "--", *train],
+        rank=0)
     assert "rank 0 was killed by SIGKILL" in out
     assert "restarting every worker (restart 1 of 1)" in out
     assert "restart 1 of the worker group: resuming from step-" in out
