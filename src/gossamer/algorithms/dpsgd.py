@@ -57,15 +57,18 @@ class DPSGDRuntime(GossipRuntime):
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        x = self.read_parameters()
+        # The flat buffer is sent as it is, then (the sends done: wait() returned) mixed in
+        # place; the received tensors are ours to scale. No copy of the model is made.
+        self.flat.gather(self.params)
+        x = self.flat.buffers[0]
         topo, rank, step = self.topology, self.comm.rank, self.step
         sends = {peer: x for peer in topo.out_peers(rank, step)}
         received = self.comm.exchange(sends, topo.in_peers(rank, step), recv_like=x).wait()
         weights = topo.in_weights(rank, step)
-        mixed = x * weights.self_weight
+        x.mul_(weights.self_weight)
         for peer in sorted(received):
-            mixed += received[peer] * weights.peers[peer]
-        self.write_parameters(mixed)  # the optimizer now applies g(x_k) to W x_k
+            x.add_(received[peer].mul_(weights.peers[peer]))
+        self.flat.scatter(self.params)  # the optimizer now applies g(x_k) to W x_k
 
     def after_step(self) -> None:
         self.check_parameters()  # what the next step sends: checked at the step that made it

@@ -36,16 +36,20 @@ def push_message(numerator: torch.Tensor, weight: torch.Tensor | float) -> torch
 
 
 def push_sum_send(
-    comm: Communicator, topology: Topology, step: int, message: torch.Tensor
+    comm: Communicator, topology: Topology, step: int, message: torch.Tensor,
+    *, in_place: bool = False,
 ) -> tuple[torch.Tensor, Handle]:
     """Start a push-sum round: push shares of ``message`` to this step's out-peers.
 
     Returns the share this worker keeps and the handle whose ``wait()`` yields the in-peers'
-    shares; their sum plus the kept share is the next message.
+    shares; their sum plus the kept share is the next message. With ``in_place`` the kept
+    share is ``message`` itself, scaled (the shares sent are copies either way).
     """
     weights = topology.weights(comm.rank, step)
     sends = {peer: message * share for peer, share in weights.peers.items()}
     handle = comm.exchange(sends, topology.in_peers(comm.rank, step), recv_like=message)
+    if in_place:
+        return message.mul_(weights.self_weight), handle
     return message * weights.self_weight, handle
 
 

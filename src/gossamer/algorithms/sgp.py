@@ -97,22 +97,32 @@ class SGPRuntime(GossipRuntime):
         self.weight = 1.0  # push-sum weight; the parameters hold numerator / weight
         # Sent, not yet mixed: the handle of each step's exchange, or what it delivered.
         self.in_flight: deque[Handle | dict[int, torch.Tensor]] = deque()
+        flat = self.flat.buffers[0]  # [numerator..., weight] of the step being mixed
+        self._message = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
 
     @staticmethod
     def _received(entry: Handle | dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         return entry if isinstance(entry, dict) else entry.wait()
 
     def _add_received(self, message: torch.Tensor, entry) -> torch.Tensor:
+        """``message`` plus the shares ``entry`` delivered (in place: ``message`` is this
+        runtime's own buffer)."""
         received = self._received(entry)
         for peer in sorted(received):
-            message = message + received[peer]
+            message.add_(received[peer])
         return message
 
     @torch.no_grad()
     def after_step(self) -> None:
-        z = self.checked_parameters()  # de-biased parameters after the local step
-        message = push_message(z * self.weight, self.weight)
-        kept, handle = push_sum_send(self.comm, self.topology, self.step, message)
+        # The step's arithmetic is that of push_message, push_sum_send and push_sum_collect,
+        # in one buffer of this runtime: only the shares sent (in flight) are new tensors.
+        self.check_parameters()  # gathers the de-biased parameters into the flat buffer
+        z = self.flat.buffers[0]
+        message = self._message
+        torch.mul(z, self.weight, out=message[:-1])
+        message[-1] = self.weight
+        kept, handle = push_sum_send(self.comm, self.topology, self.step, message,
+                                     in_place=True)
         self.in_flight.append(handle)
         while len(self.in_flight) > self.config.tau:
             kept = self._add_received(kept, self.in_flight.popleft())
@@ -121,12 +131,13 @@ class SGPRuntime(GossipRuntime):
 
     def _set(self, message: torch.Tensor) -> None:
         self.weight = float(message[-1])
-        self.write_parameters(message[:-1] / self.weight)
+        torch.div(message[:-1], self.weight, out=self.flat.buffers[0])
+        self.flat.scatter(self.params)
 
     @torch.no_grad()
     def settle(self) -> None:
         """Mix every message still in flight into the numerator (conserving the mass)."""
-        message = push_message(self.read_parameters() * self.weight, self.weight)
+        message = push_message(self.read_parameters() * self.weight, self.weight)  # a copy
         while self.in_flight:
             message = self._add_received(message, self.in_flight.popleft())
         self._set(message)
