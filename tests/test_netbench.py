@@ -46,6 +46,23 @@ def test_fit_clamps_a_negative_latency_to_zero():
     assert 125e6 < fitted.bandwidth < 250e6
 
 
+def test_fit_bounded_by_the_link_rate_refits_the_latency_alone():
+    truth = NetworkModel(latency=500e-6, bandwidth=125e6)
+    # times that look faster than a 125 MB/s link (a token bucket's burst, say)
+    seen = NetworkModel(latency=500e-6, bandwidth=140e6)
+    samples = _times(seen, [4096, 65536, 10**6, 10**7, 10**8])
+    free = fit_ring_all_reduce(samples)
+    assert free.bandwidth == pytest.approx(140e6)  # faster than the link: not physical
+    bounded = fit_ring_all_reduce(samples, max_bandwidth=125e6)
+    assert bounded.bandwidth == 125e6
+    assert 0 <= bounded.latency < seen.latency  # the latency absorbs what the rate cannot
+    # a fit already below the bound is left as it is
+    assert fit_ring_all_reduce(_times(truth, [4096, 10**8]), max_bandwidth=250e6).bandwidth \
+        == pytest.approx(125e6)
+    with pytest.raises(ValueError, match="max_bandwidth"):
+        fit_ring_all_reduce(samples, max_bandwidth=0)
+
+
 @pytest.mark.parametrize("samples, match", [
     ([(1, 10**6, 0.1), (2, 10**7, 1.0)], "1 worker"),
     ([(2, 10**6, 0.0), (2, 10**7, 1.0)], "> 0 seconds"),

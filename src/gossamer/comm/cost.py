@@ -126,7 +126,8 @@ def barrier_time(n: int, network: NetworkModel, members: Sequence[int]) -> float
 
 
 def fit_ring_all_reduce(
-    samples: Sequence[tuple[int, int, float]], element_size: int = 4
+    samples: Sequence[tuple[int, int, float]], element_size: int = 4,
+    max_bandwidth: float | None = None,
 ) -> NetworkModel:
     """The alpha-beta :class:`NetworkModel` that best explains measured all-reduce times.
 
@@ -134,11 +135,16 @@ def fit_ring_all_reduce(
     ``workers`` ranks took ``seconds``. The model of :func:`ring_all_reduce_time`,
     ``2 (n - 1) (alpha + chunk * beta)`` with ``chunk`` the bytes of one ring chunk, is fitted
     by least squares on the relative error, so that small and large messages weigh alike. A
-    negative latency is not physical: the fit is then redone with ``alpha = 0``.
+    negative latency is not physical: the fit is then redone with ``alpha = 0``; nor is a
+    bandwidth above the links' rate, when it is known (``max_bandwidth``): the bandwidth is
+    then that rate and only the latency is fitted.
 
     Args:
         samples: at least two, with at least two different chunk sizes; ``workers >= 2``.
         element_size: bytes per element (default 4, float32), for the chunk rounding.
+        max_bandwidth: the links' rate in bytes per second, an upper bound of the fitted
+            bandwidth (default None: no bound). A shaped link's burst, or an algorithm other
+            than the ring for small messages, can otherwise fit a rate the link never gives.
 
     Returns a :class:`NetworkModel` with the fitted ``latency`` (alpha) and ``bandwidth``
     (1 / beta). Raises ValueError when the samples cannot determine both.
@@ -150,6 +156,8 @@ def fit_ring_all_reduce(
     """
     import numpy as np
 
+    if max_bandwidth is not None and not max_bandwidth > 0:
+        raise ValueError(f"max_bandwidth must be > 0 bytes per second, got {max_bandwidth!r}")
     rows, chunks = [], set()
     for n, nbytes, seconds in samples:
         if n < 2:
@@ -167,10 +175,16 @@ def fit_ring_all_reduce(
     a = np.array(rows, dtype=np.float64)
     ones = np.ones(len(rows))
     (alpha, beta), *_ = np.linalg.lstsq(a, ones, rcond=None)
+    bandwidth = None
     if alpha < 0:
         alpha = 0.0
         beta = float(a[:, 1] @ ones / (a[:, 1] @ a[:, 1]))
+    if max_bandwidth is not None and beta > 0 and 1 / beta > max_bandwidth:
+        beta = 1 / max_bandwidth
+        bandwidth = float(max_bandwidth)  # exactly (1 / beta may round)
+        # the alpha that minimises the relative errors, sum((a0 alpha + a1 beta - 1)^2), alone
+        alpha = max(0.0, float((ones - a[:, 1] * beta) @ a[:, 0] / (a[:, 0] @ a[:, 0])))
     if not beta > 0:
         raise ValueError("samples: the times do not grow with the message size; no "
                          "bandwidth fits them")
-    return NetworkModel(latency=float(alpha), bandwidth=float(1 / beta))
+    return NetworkModel(latency=float(alpha), bandwidth=bandwidth or float(1 / beta))
