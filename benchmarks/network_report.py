@@ -223,8 +223,10 @@ def _section_a(a: dict[str, Any], s) -> list[str]:
         + ", ".join(f"{r} ({_size(size)})" for size, r in s.reps) + " repetitions. Model: "
         "`ring_all_reduce_time` with `NetworkModel(bandwidth=link rate, latency=50 us)`; "
         "fitted: alpha and beta fitted to all sizes of that worker count and rate "
-        "(`gossamer.comm.cost.fit_ring_all_reduce`, least squares on relative errors; sizes "
-        "below 1 MB are in the fit, not in the table).",
+        "(`gossamer.comm.cost.fit_ring_all_reduce`, least squares on relative errors, 1/beta "
+        "at most the link's rate: the token bucket's 1 ms burst lets small messages through "
+        "faster than the rate, which would otherwise fit a bandwidth the link never gives; "
+        "sizes below 1 MB are in the fit, not in the table).",
         "",
         "| workers | Gbit/s | size | measured ms | model ms | measured / model "
         "| fitted model ms |",
