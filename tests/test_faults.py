@@ -426,3 +426,40 @@ def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None
         message = err.strip().splitlines()[-1]
         assert message.startswith(f"gossamer train (rank {rank}): Comm"), err
         assert "all_reduce #" in message and "rank 1" in message, err
+
+
+@pytest.mark.parametrize("memory", ["error feedback", "dgc"])
+def test_reducer_without_agreement_refuses_a_nan_before_any_memory_holds_it(memory) -> None:
+    """The DDP hooks call the reducer without the agreeing flags: a non-finite gradient is
+    refused there, naming the tensor, before error feedback or DGC's momentum keeps it."""
+    from gossamer.compress import TopK
+    from gossamer.compress.dgc import DGCCompressor, DGCMemory
+    from gossamer.compress.reducer import CompressedReducer
+
+    def worker(comm):
+        if memory == "dgc":
+            reducer = CompressedReducer(comm, DGCCompressor(ratio=0.5), DGCMemory(momentum=0.9))
+        else:
+            reducer = CompressedReducer(comm, TopK(ratio=0.5), ErrorFeedback())
+        grad = torch.ones(8)
+        if comm.rank == 1:
+            grad[3] = math.nan
+        try:
+            reducer.reduce([("net.w", grad)], 0)
+        except FloatingPointError as exc:
+            state = _state_tensors(reducer.memory.state_dict())
+            return str(exc), all(torch.isfinite(t).all() for t in state)
+        return None
+
+    assert SimWorld(1).run(worker) == [None]  # a finite gradient goes through
+    results = {}
+
+    def recording(comm):
+        results[comm.rank] = worker(comm)
+
+    with pytest.raises(SimulationError) as info:
+        SimWorld(2, timeout=1.0).run(recording)
+    assert "rank 1" in str(info.value.failures[0])  # the other one waits for it, names it
+    message, clean = results[1]
+    assert "'net.w'" in message and "non-finite" in message
+    assert clean  # the memory holds nothing non-finite

@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -40,12 +39,6 @@ class ErrorFeedback(Memory):
         default_factory=dict, init=False, repr=False, compare=False)
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        # The residual would keep a NaN or inf for ever: refuse it before it is added (the
-        # algorithms agree to skip such steps before they compress; this guards other users)
-        if not math.isfinite(grad.detach().sum(dtype=torch.float32).item()):
-            raise FloatingPointError(
-                f"error feedback: the gradient {key!r} holds non-finite values; they are not "
-                "added to its residual (skip or stop before compressing)")
         residual = self._residuals.get(key)
         if residual is None or residual.shape != grad.shape:
             residual = grad.detach().to(torch.float32, copy=True)

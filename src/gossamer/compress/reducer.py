@@ -22,6 +22,7 @@ with the same average, without a broadcast.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -122,7 +123,20 @@ class CompressedReducer:
         float32 tensor of the same shape on every worker) is replaced by its sum over the
         workers: it rides at the end of the step's first collective (no message of its own)
         and never touches a memory; the algorithms agree on non-finite gradients with it.
+
+        Without ``flags`` (the caller did not check the gradients first: the DDP hooks), a
+        non-finite gradient is a FloatingPointError before anything is compressed, since a
+        memory (error feedback's residual, DGC's momentum) would keep it for ever.
         """
+        if flags is None and self.memory is not None:
+            # one sum per tensor (NaN and inf survive a sum) and one synchronisation
+            sums = [g.detach().sum(dtype=torch.float32) for _, g in grads if g is not None]
+            if sums and not math.isfinite(torch.stack(sums).sum().item()):
+                bad = [k for k, g in grads if g is not None and not bool(torch.isfinite(g).all())]
+                raise FloatingPointError(
+                    f"compressed reduce: the gradient(s) {', '.join(map(repr, bad))} hold "
+                    "non-finite values; nothing was compressed, and the memory does not keep "
+                    "them (skip the step, or lower the learning rate)")
         self.compressor.set_step(step)
         self._rider = flags
         self._rider_stages = [] if flags is None else [
