@@ -128,16 +128,49 @@ def test_exponential_exact_peers() -> None:
     assert two.weights(0, 0) == Weights(1 / 3, {1: 1 / 3, 2: 1 / 3})
 
 
-def test_bipartite_exponential_pairs_even_with_odd() -> None:
-    topo = bipartite_exponential(16)
-    assert topo.period == 4  # offsets 1, 3, 7, 15
-    for k in range(topo.period):
-        for i in range(16):
-            (peer,) = topo.out_peers(i, k)
-            assert peer % 2 != i % 2
-            assert topo.out_peers(peer, k) == [i]
-        np.testing.assert_array_equal(topo.matrix(k), topo.matrix(k).T)
-    assert topo.out_peers(0, 2) == [7]
+@pytest.mark.parametrize(
+    "n, shifts",
+    [
+        # floor(log2 7) = 2: offsets 1, 2^1 + 1 = 3, 2^2 + 1 = 5, each +d then -d (mod 8);
+        # rank r's peer list in SGP's graph is [r+1, r-1, r+3, r-3, r+5, r-5].
+        (8, [1, 7, 3, 5, 5, 3]),
+        # floor(log2 31) = 4: offsets 1, 3, 5, 9, 17.
+        (32, [1, 31, 3, 29, 5, 27, 9, 23, 17, 15]),
+    ],
+)
+def test_bipartite_exponential_is_sgp_graph(n: int, shifts: list[int]) -> None:
+    topo = bipartite_exponential(n)
+    assert topo.period == len(shifts)
+    assert [topo.out_peers(0, k) for k in range(len(shifts))] == [[s] for s in shifts]
+    for k in range(2 * topo.period):
+        s = shifts[k % len(shifts)]
+        w = np.eye(n) / 2  # uniform mixing: keep 1/2, send 1/2 to the one out-peer
+        for r in range(n):
+            assert topo.out_peers(r, k) == [(r + s) % n]
+            assert topo.in_peers(r, k) == [(r - s) % n]
+            assert topo.weights(r, k) == Weights(0.5, {(r + s) % n: 0.5})
+            assert (r + s) % 2 != r % 2  # even ranks only ever talk to odd ranks
+            w[(r + s) % n, r] = 0.5
+        np.testing.assert_array_equal(topo.matrix(k), w)
+
+
+def test_bipartite_exponential_matrix_literal() -> None:
+    # n = 8, phase 2: r -> r + 3, so row j mixes j and j - 3 (mod 8) half and half.
+    h = 0.5
+    expected = np.array([
+        [h, 0, 0, 0, 0, h, 0, 0],
+        [0, h, 0, 0, 0, 0, h, 0],
+        [0, 0, h, 0, 0, 0, 0, h],
+        [h, 0, 0, h, 0, 0, 0, 0],
+        [0, h, 0, 0, h, 0, 0, 0],
+        [0, 0, h, 0, 0, h, 0, 0],
+        [0, 0, 0, h, 0, 0, h, 0],
+        [0, 0, 0, 0, h, 0, 0, h],
+    ])
+    np.testing.assert_array_equal(bipartite_exponential(8).matrix(2), expected)
+    # n = 2 and 4: offsets past n/2 repeat the same peers, as in SGP's graph.
+    assert [bipartite_exponential(2).out_peers(0, k) for k in range(2)] == [[1], [1]]
+    assert [bipartite_exponential(4).out_peers(1, k) for k in range(4)] == [[2], [0], [0], [2]]
 
 
 def _assert_partition(groups: list[list[int]], n: int) -> None:

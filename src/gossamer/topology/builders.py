@@ -118,22 +118,32 @@ def exponential(n: int, peers_per_step: int = 1) -> Topology:
 
 
 def bipartite_exponential(n: int) -> Topology:
-    """Pairs even with odd ranks at offsets ``1, 3, 7, 15, ... < n`` (D-PSGD / AD-PSGD).
+    """SGP's dynamic bipartite exponential graph: even ranks only ever talk to odd ranks.
 
-    Each node has exactly one peer per phase and the pair averages (weights 1/2), so the
-    matrices are symmetric and doubly stochastic and deadlock-free for pairwise exchanges.
+    The offsets are ``d_0 = 1`` and ``d_i = 2^i + 1`` for ``1 <= i <= floor(log2(n - 1))``
+    (1, 3, 5, 9, 17, ...). Phase ``2 i`` sends ``r -> r + d_i``, phase ``2 i + 1`` sends
+    ``r -> r - d_i`` (mod n); each sender keeps 1/2 and gives 1/2, so the period is
+    ``2 (floor(log2(n - 1)) + 1)``. Every offset is odd and n is even, so every edge joins an
+    even and an odd rank (AD-PSGD's active/passive split); every phase is ``(I + P) / 2`` for a
+    shift ``P``: doubly stochastic, directed (not symmetric), one out- and one in-peer per node.
+
+    This is ``DynamicBipartiteExponentialGraph`` of the code of Assran, Loizou, Ballas and
+    Rabbat, "Stochastic Gradient Push for Distributed Deep Learning" (ICML 2019), with one peer
+    per step and uniform mixing: rank ``r``'s peer list is ``r + d_0, r - d_0, r + d_1, ...``,
+    visited in order, one per step. Offsets past ``n / 2`` repeat earlier peers (n = 8:
+    ``+5 = -3``), as there.
     """
     n = _check_n(n)
     if n == 1:
         return Topology("bipartite_exponential", 1, [[{0: 1.0}]])
     if n % 2:
         raise ValueError(f"n={n} must be even (or 1) for a bipartite exponential graph")
-    phases = []
-    d = 1
-    while d < n:
-        pairs = [(i, (i + d) % n) for i in range(0, n, 2)]
-        phases.append(_grouped(n, pairs))
-        d = 2 * d + 1
+    offsets = [1] + [(1 << i) + 1 for i in range(1, (n - 1).bit_length())]
+    phases = [
+        _uniform(n, ([(r + sign * d) % n] for r in range(n)))
+        for d in offsets
+        for sign in (1, -1)
+    ]
     return Topology("bipartite_exponential", n, phases)
 
 
