@@ -3,18 +3,28 @@
 Workers of even rank are active, of odd rank passive; every edge of the (bipartite) topology
 joins an active and a passive worker, so two workers never wait for each other in a cycle.
 After each local step an active worker sends its parameters to its next passive neighbour
-(round robin) and goes on computing; when the reply arrives, at a later step, it averages with
-it. A passive worker, after each of its own steps, answers every request that has arrived:
-it replies with its parameters and averages with the requester's. Nothing waits for a slow
-worker: a request to a busy passive worker is answered when it gets to it, and meanwhile the
-active worker asks others. There is no global barrier.
+(round robin) and goes on computing. A passive worker, after each of its own steps, answers
+every request that has arrived: it averages its current parameters with the requester's,
+``x_p <- (x_p + x_a) / 2``, and replies with that average. When the reply arrives at the active
+worker, at a later step, it takes the same average: ``x_a <- x_a + (reply - x_a_sent)``.
+
+This is the atomic pairwise average of the paper (Algorithm 1: ``x_i, x_j <- (x_i + x_j) / 2``,
+then the local model is updated with a gradient computed at stale parameters): the average is
+taken at the moment the passive worker answers, on the parameters the active worker sent, and
+the steps the active worker took meanwhile (gradients computed before the average) are applied
+on top of it. The sum of the models is conserved at every exchange, so no worker's progress is
+halved or lost. Nothing waits for a slow worker: a request to a busy passive worker is answered
+when it gets to it, and meanwhile the active worker asks others. There is no global barrier.
 
 In the simulator "has it arrived" is decided in virtual time, so the order of events is that of
 a real network with the same speeds, and runs are deterministic; on gloo the same code polls
-real non-blocking sends and receives.
+real non-blocking receives (a reply is awaited on a receive of its own, which gloo can report
+complete without waiting; the request's send is known complete once the reply is there).
+With ``record=True`` the runtime keeps the order of its exchanges in ``events`` (for tests and
+the oracle in ``tests/oracles``).
 
 Reference: Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient
-Descent" (ICML 2018).
+Descent" (ICML 2018), Algorithm 1.
 """
 
 from __future__ import annotations
@@ -74,15 +84,23 @@ class ADPSGDRuntime(GossipRuntime):
         # internal state
         self.next_peer = 0  # active: round-robin position in neighbors
         self.requests = {p: 0 for p in self.neighbors}  # sent (active) / answered (passive)
-        self.outstanding: dict[int, Handle] = {}  # active: the reply awaited from each peer
+        # active: per peer, the parameters sent with the request and the reply's receive
+        self.outstanding: dict[int, tuple[torch.Tensor, Handle]] = {}
         self.posted: dict[int, Handle] = {}  # passive: the receive posted for each peer
         self.sending: list[Handle] = []  # sends not known to be complete yet
         # statistics
         self.averagings = 0  # pairwise averages this worker took part in
+        #: (step, kind, peer, request number) per exchange, kind "request", "answer" or
+        #: "take"; kept only when recording (set ``events = []``)
+        self.events: list[tuple[int, str, int, int]] | None = None
         self._post_receives()
 
     def _like(self) -> torch.Tensor:
         return self.flat.buffers[0]
+
+    def _record(self, kind: str, peer: int, number: int) -> None:
+        if self.events is not None:
+            self.events.append((self.step, kind, peer, number))
 
     def _post_receives(self) -> None:
         self.open = True  # requests may be in flight; settle() closes
@@ -97,19 +115,22 @@ class ADPSGDRuntime(GossipRuntime):
         if self.active:
             self._request(x)
         self.write_parameters(x)
-        # replies (passive) are matched by the receive each request posted, so waiting for
-        # the older ones returns; gloo reports a send complete only once waited for
+        # gloo reports a send complete only once waited for: wait for the older ones, whose
+        # receives are posted (a passive worker keeps one posted per active neighbour)
         self.sending = [h for h in self.sending if not h.ready()]
         while len(self.sending) > len(self.neighbors):
             self.sending.pop(0).wait()
         self.periodic_average()
 
     def _take_replies(self, x: torch.Tensor, block: bool) -> torch.Tensor:
+        """Active: apply every reply that has arrived (all of them with ``block``)."""
         for peer in sorted(self.outstanding):
-            if block or self.outstanding[peer].ready():
-                reply = self.outstanding.pop(peer).wait()[peer]
-                x = (x + reply) / 2
+            sent, reply = self.outstanding[peer]
+            if block or reply.ready():
+                del self.outstanding[peer]
+                x += reply.wait()[peer] - sent  # the pair's average, plus our steps since
                 self.averagings += 1
+                self._record("take", peer, self.requests[peer])
         return x
 
     def _request(self, x: torch.Tensor) -> None:
@@ -117,21 +138,25 @@ class ADPSGDRuntime(GossipRuntime):
             peer = self.neighbors[self.next_peer]
             self.next_peer = (self.next_peer + 1) % len(self.neighbors)
             if peer not in self.outstanding:  # one request per peer at a time
-                self.outstanding[peer] = self.comm.exchange({peer: x.clone()}, [peer])
+                sent = x.clone()
+                self.sending.append(self.comm.exchange({peer: sent}, []))
+                self.outstanding[peer] = (sent, self.comm.exchange({}, [peer], recv_like=sent))
                 self.requests[peer] += 1
+                self._record("request", peer, self.requests[peer])
                 return
 
     def _answer(self, x: torch.Tensor, block: bool, until: dict[int, int] | None = None
                 ) -> torch.Tensor:
         """Passive: answer the requests that have arrived (or, with ``block``, the first
-        ``until[peer]`` requests of each peer)."""
+        ``until[peer]`` requests of each peer): average, and reply with the average."""
         for peer in self.neighbors:
             while (self.requests[peer] < until[peer]) if block else self.posted[peer].ready():
                 request = self.posted[peer].wait()[peer]
-                self.sending.append(self.comm.exchange({peer: x.clone()}, []))
                 x = (x + request) / 2
+                self.sending.append(self.comm.exchange({peer: x}, []))  # x is not modified
                 self.averagings += 1
                 self.requests[peer] += 1
+                self._record("answer", peer, self.requests[peer])
                 self.posted[peer] = self.comm.exchange({}, [peer], recv_like=x)
         return x
 

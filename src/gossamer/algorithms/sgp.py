@@ -1,15 +1,20 @@
 """Stochastic Gradient Push (SGP) and Overlap SGP: push-sum gossip of the parameters.
 
-After each optimizer step a worker scales its parameters by its push-sum weight (the
-numerator), pushes shares of ``[numerator, weight]`` to this step's out-peers (by default the
-directed exponential graph, one peer per step: peer ``rank + 2^(k mod log2 n)``), keeps its own
-share and adds what it received; forward and backward then use the de-biased parameters
-``numerator / weight``. Overlap SGP (``tau >= 1``) mixes at step ``k + tau`` what was sent at
-step ``k``, so communication overlaps the next steps' computation and no step waits for the
-messages of the same step; the mass in flight is kept and mixed later, so nothing is lost.
+Each worker holds a push-sum numerator ``x`` and weight ``w``. Forward and backward use the
+de-biased parameters ``z = x / w``; the optimizer then steps the numerator with that gradient,
+``x_{k+1/2} = x_k - lr * grad F(z_k)`` (the parameters are turned back into the numerator before
+the optimizer steps, as the reference code does), and the worker pushes shares of
+``[x_{k+1/2}, w_k]`` to this step's out-peers (by default the directed exponential graph, one
+peer per step: peer ``rank + 2^(k mod log2 n)``), keeps its own share and adds what it received.
+
+Overlap SGP (``tau >= 1``) mixes at step ``k`` the messages sent at step ``k - tau`` — first
+mixing them in, then sending shares of the result, as the reference code does — so
+communication overlaps the next ``tau`` steps' computation and no step waits for the messages
+of the same step. Mass in flight is kept and mixed later, so nothing is lost: the sum of the
+numerators moves by exactly the sum of the updates.
 
 Reference: Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep
-Learning" (ICML 2019), Algorithms 1 and 2.
+Learning" (ICML 2019), Algorithm 1 (SGP) and Algorithm 2 (Overlap SGP).
 
 Example::
 
@@ -113,18 +118,28 @@ class SGPRuntime(GossipRuntime):
         return message
 
     @torch.no_grad()
+    def after_backward(self) -> None:
+        # The gradient was taken at z = x / w; the optimizer steps the numerator x
+        # (Algorithms 1 and 2: x_{k+1/2} = x_k - lr grad F(z_k)). With w == 1 they are equal.
+        if self.weight != 1.0:
+            for p in self.params:
+                p.data.mul_(self.weight)
+
+    @torch.no_grad()
     def after_step(self) -> None:
         # The step's arithmetic is that of push_message, push_sum_send and push_sum_collect,
         # in one buffer of this runtime: only the shares sent (in flight) are new tensors.
-        self.check_parameters()  # gathers the de-biased parameters into the flat buffer
-        z = self.flat.buffers[0]
+        self.check_parameters()  # gathers the numerator x_{k+1/2} into the flat buffer
         message = self._message
-        torch.mul(z, self.weight, out=message[:-1])
+        message[:-1].copy_(self.flat.buffers[0])
         message[-1] = self.weight
+        if self.config.tau:  # Overlap SGP: mix what step k - tau sent, then send the result
+            while len(self.in_flight) >= self.config.tau:
+                message = self._add_received(message, self.in_flight.popleft())
         kept, handle = push_sum_send(self.comm, self.topology, self.step, message,
                                      in_place=True)
         self.in_flight.append(handle)
-        while len(self.in_flight) > self.config.tau:
+        if not self.config.tau:  # SGP: this step's messages, at once
             kept = self._add_received(kept, self.in_flight.popleft())
         self._set(kept)
         self.periodic_average()
