@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossamer
-from gossamer.algorithms import WAGMA, LocalSGD
+from gossamer.algorithms import DPSGD, WAGMA
 from gossamer.comm import ComputeModel, SimWorld
 from gossamer.train.config import TrainConfig
 from gossamer.train.loop import run_training
@@ -81,20 +81,22 @@ def test_groups_change_every_round():
 # ---------------------------------------------------------------------------- semantics
 
 
-def test_synchronous_whole_world_groups_equal_averaging_every_step():
-    """tau = 0 with one group of everybody: each round is an exact average of all, which is
-    local SGD with H = 1."""
+def test_synchronous_whole_world_groups_equal_dpsgd_on_the_complete_graph():
+    """tau = 0 with one group of everybody: each round averages the models exactly, then
+    each worker applies its own gradient (x_{t+1} = mean(x_t) - lr g_i(x_t)), which is D-PSGD
+    on the complete graph."""
     wagma = SimWorld(4).run(_timeline, WAGMA(group_size=4, tau=0, allreduce_every=0), 10,
                             finish=False)
-    reference = SimWorld(4).run(_local_sgd, 10)
+    reference = SimWorld(4).run(_dpsgd_complete, 10)
     for (_, params, _), expected in zip(wagma, reference, strict=True):
         assert torch.allclose(params, expected, atol=1e-6)
+    assert not torch.allclose(wagma[0][1], wagma[1][1], atol=1e-6)  # each its own gradient
 
 
-def _local_sgd(comm, steps: int):
+def _dpsgd_complete(comm, steps: int):
     model = _model()
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                              LocalSGD(period=1, average_at_end=False), comm)
+                              DPSGD(topology="complete", average_at_end=False), comm)
     g = torch.Generator().manual_seed(comm.rank)
     for _ in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -105,24 +107,29 @@ def _local_sgd(comm, steps: int):
 
 
 def test_synchronous_groups_average_exactly_within_each_group():
-    """tau = 0, groups of 2, no global rounds: after one step each pair holds its mean."""
-    def one_step(comm):
+    """tau = 0, groups of 2, no global rounds: two steps; after the second each member holds
+    its pair's mean of the models after the first step, minus its own gradient step."""
+    def two_steps(comm):
         model = _model()
         opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                   WAGMA(group_size=2, tau=0, allreduce_every=0), comm)
         g = torch.Generator().manual_seed(comm.rank)
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        local = _flat(model) - 0.05 * torch.cat([p.grad.flatten() for p in model.parameters()])
-        opt.step()
-        return local, _flat(model), opt.runtime.groups(0)
+        seen = []
+        for _ in range(2):
+            seen.append(_flat(model))
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            step = 0.05 * torch.cat([p.grad.flatten() for p in model.parameters()])
+            opt.step()
+        return seen[1], step, _flat(model), opt.runtime.groups(1)
 
-    results = SimWorld(4).run(one_step)
-    for group in results[0][2]:
+    results = SimWorld(4).run(two_steps)
+    for group in results[0][3]:
         mean = torch.stack([results[i][0] for i in group]).mean(0)
         for i in group:
-            assert torch.allclose(results[i][1], mean, atol=1e-6)
+            assert torch.allclose(results[i][2], mean - results[i][1], atol=1e-6)
+    assert not torch.allclose(results[0][0], results[1][0], atol=1e-6)  # a real average
 
 
 def test_no_contribution_is_older_than_tau_and_the_bound_is_reached():

@@ -1,32 +1,40 @@
 """WAGMA-SGD: wait-avoiding group model averaging with bounded staleness.
 
-After each local optimizer step a worker averages its parameters inside a group of
-``group_size`` workers. The groups change every round (butterfly strides by default, so that
-information from every worker reaches every other within log_g(n) rounds), and every
-``allreduce_every`` rounds all workers average exactly (a global barrier).
+In round ``t`` every worker averages its model ``x_t`` inside a group of ``group_size`` workers
+and then applies its own gradient, computed at ``x_t`` while the group average was under way:
+``x_{t+1} = mean_{j in G_t} x_j - lr * g_i(x_t)`` (Algorithm 1 of the paper; its reference code
+likewise averages the variables first and applies the gradients after). The groups change every
+round (butterfly strides by default, so that information from every worker reaches every other
+within log_g(n) rounds), and every ``allreduce_every`` rounds all workers average exactly (a
+global barrier).
 
-Wait-avoiding (``tau >= 1``): a worker does not wait for its group. When it has finished its
-step it averages at once with the *latest published parameters* of the other members, that
-is what each member sent after finishing its previous round, and then publishes its own result
-to its next group. A member still computing is thereby represented by its parameters of one
-round before (age 1). A contribution is never older than ``tau`` rounds: a worker waits only
-for a member more than ``tau`` rounds behind. A worker that finds, from the round numbers on
-the messages it received, that others have gone ahead, skips the rounds it missed and
-continues at the front (the others already averaged with its older parameters for those
-rounds); before it averages it publishes its current parameters to the members of the groups
-of the rounds it skipped, so nobody can wait for it forever. With ``tau = 0`` every group
-exchanges the parameters of the same round: synchronous group averaging.
+Wait-avoiding (``tau >= 1``): the group average is a collective no member waits for. A worker
+publishes its model for round ``t`` to the members of round ``t``'s group as soon as it has it
+(right after its previous optimizer step), computes its gradient meanwhile, and then averages
+with the newest model each member has published: the members that have arrived contribute
+their model of this round, so with equal speeds every member averages the same models and
+adopts the same result, and the sum of the models moves by exactly the sum of the updates. Only
+a member still computing an earlier round contributes an older model, never older than ``tau``
+rounds: a worker waits only for a member more than ``tau`` rounds behind. In a round with a late
+member the members' results differ (the late member averages its own newer model), which is the
+staleness the paper bounds. A worker that finds, from the round numbers on the messages it
+received, that others have gone ahead, skips the rounds it missed and continues at the front
+(the others already averaged with its older model for those rounds); before it averages it
+publishes its current model to the members of the groups of the rounds it skipped, so nobody
+can wait for it forever. With ``tau = 0`` every group exchanges the models of the same round:
+synchronous group averaging.
 
 So a straggler that is k times slower than the rest is hidden when ``tau >= k - 1``: the fast
-workers run up to ``tau`` rounds ahead of its last published parameters before they wait, and
-it jumps forward by as much when it catches up. With smaller ``tau`` the fast workers wait
-part of the time (the staleness bound is what makes them wait).
+workers run up to ``tau`` rounds ahead of its last published model before they wait, and it
+jumps forward by as much when it catches up. With smaller ``tau`` the fast workers wait part of
+the time (the staleness bound is what makes them wait).
 
 Each publication goes to the other ``group_size - 1`` members of one group: ``group_size - 1``
-model copies per worker and round (a group all-reduce would send ``2 (g-1)/g``, but needs
-every member at once). In the simulator the order of events follows virtual time; on gloo the
-same code polls non-blocking receives, so a fast worker never waits for a slow one within the
-staleness bound.
+model copies per worker and round (a group all-reduce would send ``2 (g-1)/g``, but needs every
+member at once). In the simulator the order of events follows virtual time; on gloo the same
+code polls non-blocking receives, so a fast worker never waits for a slow one within the
+staleness bound. A runtime whose ``events`` is set to a list records there, per round, the round
+stamps of the models it averaged (for tests and the oracle in ``tests/oracles``).
 
 Reference: Li, Ben-Nun, Nadiradze, Di Girolamo, Dryden, Alistarh, Hoefler, "Breaking (Global)
 Barriers in Parallel Stochastic Optimization with Wait-Avoiding Group Averaging" (IEEE TPDS
@@ -54,11 +62,11 @@ from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, Handle
 
 # message kinds (the second of the three int64 values after the parameters)
-_DATA = 0  # parameters published after a round
+_DATA = 0  # a model published for a round
 _HOLD = 1  # the sender pauses (evaluation, checkpoint, end): use these until it publishes
 _CLOSE = 2  # the sender closes the channel (settle); the parameters are its current ones
 _TRAILER = 24  # bytes after the parameters: stamp, kind, acknowledgement (int64 each)
-_INITIAL = -1  # the stamp of the initial parameters (equal on every worker)
+_INITIAL = 0  # the stamp of the initial parameters: round 0's model, equal on every worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +149,9 @@ class WAGMARuntime(GossipRuntime):
         self.rounds_skipped = 0  # rounds this worker jumped over to catch up
         self.waits = 0  # times a member was more than tau rounds behind
         self.ages: Counter[int] = Counter()  # contribution age (rounds) -> count
+        #: (step, round, "group" or "global", {member: stamp of the model averaged}) per
+        #: round; kept only when recording (set ``events = []``)
+        self.events: list[tuple[int, int, str, dict[int, int]]] | None = None
         if self.asynchronous:
             self._post_receives()
 
@@ -192,8 +203,7 @@ class WAGMARuntime(GossipRuntime):
             self.posted[peer].append(self.comm.exchange({}, [peer], recv_like=self._like))
         if kind == _HOLD:  # paused: these are its current parameters until it resumes
             self.held.add(peer)
-            self.latest[peer] = (max(stamp, self.latest[peer][0]), x)
-        elif stamp > self.latest[peer][0]:
+        if stamp > self.latest[peer][0] or (kind == _HOLD and stamp == self.latest[peer][0]):
             self.latest[peer] = (stamp, x)
         self._release(peer)
 
@@ -227,35 +237,47 @@ class WAGMARuntime(GossipRuntime):
 
     # ---- a step
     @torch.no_grad()
-    def after_step(self) -> None:
-        x = self.checked_parameters()
+    def after_backward(self) -> None:
+        x = self.read_parameters()  # x_t: published when the last step made it
         q = self.round
         if self.asynchronous:
             self._drain()
             q = self._target_round()
             if q > self.round:  # catch up; members of the skipped rounds may wait for us
                 self.rounds_skipped += q - self.round
-                last = q if self.is_global(q) else q + 1
-                self._publish(x, q - 1, range(self.round + 1, last))
+                # a stamp no model of ours has carried: round q's, or the one before a global q
+                stamp, last = (q - 1, q) if self.is_global(q) else (q, q + 1)
+                self._publish(x, stamp, range(self.round + 1, last))
         if self.is_global(q):
             x = self._global_average(x, q, done=False)[0]
+            self._record(q, "global", {})
         elif not self.asynchronous:
             x = self._synchronous_average(x, q)
+            self._record(q, "group", {m: q for m in self._group_of(q) if m != self.comm.rank})
         else:
             x = self._average(x, q)
-            self._publish(x, q, [q + 1])
-        self.write_parameters(x)
+        self.write_parameters(x)  # the optimizer applies g(x_t) to the group's average
         self.round = q + 1
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        x = self.checked_parameters()  # x_{t+1}, checked before it is sent
+        if self.asynchronous and not self.is_global(self.round):
+            self._publish(x, self.round, [self.round])
+
+    def _record(self, q: int, kind: str, stamps: dict[int, int]) -> None:
+        if self.events is not None:
+            self.events.append((self.step, q, kind, stamps))
 
     def _target_round(self) -> int:
         """The round to execute: this worker's next one; or, when the newest round a partner
-        has finished is tau or more rounds ahead of it (so that others wait for this
-        worker) and this worker did not itself wait in its last round, the round after that
-        one: it skips to the front. Never past a global round."""
+        has published a model for is tau or more rounds ahead of it (so that others wait for
+        this worker) and this worker did not itself wait in its last round, that round: it
+        skips to the front. Never past a global round."""
         newest = max((self.latest[m][0] for m in self.partners if m not in self.held),
                      default=_INITIAL)
-        if newest + 1 - self.round >= max(self.config.tau, 1) and not self._waited:
-            q = newest + 1  # others wait for us: skip to the front
+        if newest - self.round >= max(self.config.tau, 1) and not self._waited:
+            q = newest  # others wait for us: skip to the front
         else:
             q = self.round
         if self.config.allreduce_every:
@@ -263,12 +285,13 @@ class WAGMARuntime(GossipRuntime):
         return q
 
     def _average(self, x: torch.Tensor, q: int) -> torch.Tensor:
-        """x averaged with the latest published parameters of round ``q``'s group, waiting
-        for a member only while its newest is more than tau rounds old."""
+        """x averaged with the newest published models of round ``q``'s group, waiting for a
+        member only while its newest is more than tau rounds old."""
         members = [m for m in self._group_of(q) if m != self.comm.rank]
         oldest = q - self.config.tau
         total = x.clone()
         self._waited = False
+        stamps = {}
         for m in members:
             if self.latest[m][0] < oldest and m not in self.held:
                 self.waits += 1
@@ -276,10 +299,12 @@ class WAGMARuntime(GossipRuntime):
                 while self.latest[m][0] < oldest and m not in self.held:
                     self._take(m)
             stamp, contribution = self.latest[m]
+            stamps[m] = stamp
             # a paused member's parameters are its current ones: not stale
             self.ages[0 if m in self.held else max(q - stamp, 0)] += 1
             total += contribution
         self.group_averages += 1
+        self._record(q, "group", stamps)
         return total / (len(members) + 1)
 
     def _synchronous_average(self, x: torch.Tensor, q: int) -> torch.Tensor:
@@ -325,7 +350,7 @@ class WAGMARuntime(GossipRuntime):
         if not self.open:  # synchronous, or settled already
             return
         x = self.read_parameters()
-        self._send(x, self.round - 1, _HOLD, self.partners)
+        self._send(x, self.round, _HOLD, self.partners)
         if self.config.allreduce_every:
             all_done = False
             while not all_done:
@@ -346,7 +371,7 @@ class WAGMARuntime(GossipRuntime):
             return
         self.pause()
         for _ in range(self.window):  # one for each receive posted
-            self._send(self.read_parameters(), self.round - 1, _CLOSE, self.partners)
+            self._send(self.read_parameters(), self.round, _CLOSE, self.partners)
         for peer in self.partners:
             while peer in self.posted:  # until its closing message
                 self._take(peer)
