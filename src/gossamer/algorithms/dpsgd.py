@@ -1,9 +1,11 @@
-"""D-PSGD: decentralized parallel SGD with symmetric gossip averaging.
+"""D-PSGD: decentralized parallel SGD with doubly stochastic gossip averaging.
 
 Every step each worker averages its parameters with its neighbours' — weighted by a doubly
 stochastic mixing matrix, so the mean of the replicas is preserved — and then applies its own
 gradient, computed at its parameters before the mixing: ``x_{k+1} = W x_k - lr * g(x_k)``.
-Synchronous: a step waits for the neighbours' parameters of the same step.
+Synchronous: a step waits for the neighbours' parameters of the same step. The paper's W is
+symmetric; a directed doubly stochastic W (e.g. SGP's bipartite exponential graph) is mixed
+by rows: each worker combines what it receives.
 
 Reference: Lian, Zhang, Zhang, Hsieh, Zhang, Liu, "Can Decentralized Algorithms Outperform
 Centralized Algorithms? A Case Study for Decentralized Parallel Stochastic Gradient Descent"
