@@ -53,20 +53,23 @@ def _train(comm, algorithm, steps: int = 20, momentum: float = 0.0, schedule=Non
 
 
 def closed_form_periods(total: int, warmup: int, h_base: int, alpha: float, power: float,
-                        lr) -> list[tuple[int, int]]:
-    """The QSR periods computed directly from the rule, independently of the runtime."""
-    periods, t = [], warmup
-    previous = lr(warmup - 1) if warmup else None  # the learning rate at the last average
-    while t < total:
-        rising = previous is None or lr(t) > previous
-        h = h_base if rising else max(h_base, math.floor((alpha / lr(t)) ** power))
-        previous = lr(t)
-        left = total - 1 - t
-        if left == 0:
-            break
-        h = min(h, left)
-        periods.append((t, h))
-        t += h
+                        lr, warmup_period: int = 1, rising_lr: bool = False
+                        ) -> list[tuple[int, int]]:
+    """The QSR rounds (first step, H) computed directly from the rule, independently of the
+    runtime: a round starting at step s lasts warmup_period steps while s < warmup, else
+    max(h_base, floor((alpha / lr(s)) ** power)), capped by the steps left."""
+    periods, s, previous = [], 0, None
+    while s < total:
+        if s < warmup:
+            h = warmup_period
+        elif rising_lr and (previous is None or lr(s) > previous):
+            h = h_base
+        else:
+            h = max(h_base, math.floor((alpha / lr(s)) ** power))
+        previous = lr(s)
+        h = min(h, total - s)
+        periods.append((s, h))
+        s += h
     return periods
 
 
@@ -81,24 +84,50 @@ def test_qsr_periods_follow_the_rule(schedule):
     )[0]
     expected = closed_form_periods(total, 5, 2, 0.1, 2.0, lambda t: learning_rate(cfg, t))
     assert runtime.periods == expected
+    assert expected[:5] == [(t, 1) for t in range(5)]  # the warm-up averages every step
     assert len({h for _, h in expected}) > 2  # the rule did vary H
-    assert runtime.synchronizations == 5 + len(expected) + 1  # and the last step averages
+    assert runtime.synchronizations == len(expected)  # one per round, the last step's too
+    assert runtime.last_averaged == total - 1
 
 
-def test_qsr_holds_h_base_during_a_learning_rate_warm_up():
-    """A rising learning rate (warm-up) keeps H at H_base; without that, the first average's
-    small learning rate would give one period spanning the whole run."""
-    total = 120
+def _warm_up_run(qsr: QSR, total: int = 120) -> tuple[list[tuple[int, int]], int, TrainConfig]:
     cfg = TrainConfig(lr=0.2, steps=total, schedule="cosine", warmup_steps=20, min_lr=0.001)
-    qsr = QSR(period=2, alpha=0.2)
     _, runtime = SimWorld(2).run(
         lambda comm: _train(comm, qsr, steps=total, schedule=lambda t: learning_rate(cfg, t))
     )[0]
-    assert all(h == 2 for t, h in runtime.periods if t < 20)
-    assert runtime.synchronizations > 15  # not one huge period
-    assert max(h for _, h in runtime.periods) > 2  # and H grows once the lr decays
-    expected = closed_form_periods(total, 0, 2, 0.2, 2.0, lambda t: learning_rate(cfg, t))
-    assert runtime.periods == expected
+    return runtime.periods, runtime.synchronizations, cfg
+
+
+def test_qsr_warm_up_is_keyed_on_warmup_steps():
+    """The QSR code's rule: rounds starting in the first warmup_steps steps last
+    warmup_period steps; the rule takes over after them."""
+    periods, syncs, cfg = _warm_up_run(QSR(period=2, alpha=0.2, warmup_steps=20))
+    assert periods[:20] == [(t, 1) for t in range(20)]
+    assert periods[20][0] == 20 and max(h for _, h in periods) > 2  # H grows as the lr decays
+    assert periods == closed_form_periods(120, 20, 2, 0.2, 2.0, lambda t: learning_rate(cfg, t))
+    assert syncs == len(periods)
+    periods, _, cfg = _warm_up_run(QSR(period=2, alpha=0.2, warmup_steps=20, warmup_period=3))
+    assert periods[:7] == [(3 * k, 3) for k in range(7)]  # the 7th round starts at 18 < 20
+    assert periods == closed_form_periods(120, 20, 2, 0.2, 2.0, lambda t: learning_rate(cfg, t),
+                                          warmup_period=3)
+
+
+def test_qsr_without_warmup_steps_applies_the_rule_to_a_warm_up():
+    """As in the QSR code: without warmup_steps the first round takes the rule at the warm-up's
+    small first learning rate, here one period spanning the whole run."""
+    periods, syncs, _ = _warm_up_run(QSR(period=2, alpha=0.2))
+    assert periods == [(0, 120)] and syncs == 1
+
+
+def test_qsr_can_hold_h_base_while_the_learning_rate_rises():
+    """warmup="rising_lr": H = H_base while the learning rate rises (and for the first round),
+    without warmup_steps; without that, the first round would span the whole run."""
+    periods, syncs, cfg = _warm_up_run(QSR(period=2, alpha=0.2, warmup="rising_lr"))
+    assert all(h == 2 for t, h in periods if t < 20)
+    assert syncs > 15  # not one huge period
+    assert max(h for _, h in periods) > 2  # and H grows once the lr decays
+    assert periods == closed_form_periods(120, 0, 2, 0.2, 2.0, lambda t: learning_rate(cfg, t),
+                                          rising_lr=True)
 
 
 def test_period_one_equals_allreduce():
@@ -119,7 +148,7 @@ def test_replicas_drift_between_averages_and_meet_at_the_end():
 
     results = SimWorld(3).run(worker)
     assert not torch.allclose(results[0][0], results[1][0])  # step 12 did not average
-    assert results[0][1] == 3  # after steps 0, 5, 10
+    assert results[0][1] == 2  # after steps 4 and 9: rounds of 5 steps from the start
     ended = SimWorld(3).run(
         lambda comm: _train(comm, LocalSGD(period=5), steps=13, finish=True)[0])
     assert torch.allclose(ended[0], ended[1], atol=0)
@@ -128,11 +157,11 @@ def test_replicas_drift_between_averages_and_meet_at_the_end():
 def test_local_adamw_averages_the_moments():
     def worker(comm):
         _, runtime = _train(comm, LocalSGD(period=2, average_optimizer_state=True),
-                            steps=5, optimizer="adamw")
+                            steps=6, optimizer="adamw")
         state = runtime.optimizer.state
         return [state[p]["exp_avg"].clone() for p in runtime.model.parameters()]
 
-    moments = SimWorld(3).run(worker)  # step 4 averaged (steps 0, 2, 4)
+    moments = SimWorld(3).run(worker)  # step 5 averaged (steps 1, 3, 5)
     for a, b in zip(moments[0], moments[1], strict=True):
         assert torch.equal(a, b)
 
@@ -152,7 +181,9 @@ def gloo_against_torch(period: int, steps: int):
         for wrap in (False, True):
             model = _model()
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            averager = PeriodicModelAverager(period=period, warmup_steps=0)
+            # torch averages after step warmup_steps and every period steps from there:
+            # warmup_steps = period - 1 gives local SGD's rounds of `period` steps
+            averager = PeriodicModelAverager(period=period, warmup_steps=period - 1)
             if wrap:
                 opt = PostLocalSGDOptimizer(optim=opt, averager=averager)
             for x, y in _batches(dist.get_rank(), steps):
@@ -175,7 +206,7 @@ def test_constant_period_matches_torch_model_averaging_on_gloo():
     for ours, averager, post_local in results:
         assert torch.allclose(ours, averager, atol=1e-6)
         assert torch.allclose(ours, post_local, atol=1e-6)
-    # the last average was after step 16 (0-based); step 17 was local, so replicas differ
+    # the last average was after step 15 (0-based); steps 16, 17 were local: replicas differ
     assert not torch.allclose(results[0][0], results[1][0], atol=1e-6)
 
 
@@ -239,21 +270,64 @@ def test_batchnorm_reestimation_after_the_final_average():
         assert torch.allclose(var, expected_var, atol=1e-4)
 
 
+def _bn_worker(comm, algorithm: LocalSGD, inputs: bool):
+    """Two steps of a BatchNorm model on rank-dependent data (one round of 2), then the
+    runtime's before_eval; returns the running statistics after the average and after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm,
+                              comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(2):
+        x = torch.randn(16, 4, generator=g) * (comm.rank + 1) + comm.rank
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    after_average = model[1].running_mean.clone()
+    if inputs:
+        opt.runtime.training_inputs = lambda count: (
+            torch.randn(16, 4, generator=g) + comm.rank for _ in range(count))
+    opt.runtime.before_eval()
+    return after_average, model[1].running_mean.clone(), _flat(model)
+
+
+def test_batchnorm_statistics_stay_local_and_are_reestimated_before_eval():
+    results = SimWorld(3).run(_bn_worker, LocalSGD(period=2), True)
+    after_average = [r[0] for r in results]
+    assert not torch.allclose(after_average[0], after_average[1])  # parameters only averaged
+    for r in results:
+        assert torch.equal(r[2], results[0][2])  # the parameters were
+        assert torch.equal(r[1], results[0][1])  # re-estimated, then averaged: the same
+        assert not torch.allclose(r[1], r[0])  # (not what the worker had)
+    # the old behaviour: statistics averaged with the parameters, no re-estimation
+    old = SimWorld(3).run(_bn_worker, LocalSGD(period=2, average_buffers=True,
+                                               reestimate_batchnorm=0), True)
+    for r in old:
+        assert torch.equal(r[0], old[0][0]) and torch.equal(r[1], r[0])
+    # without training inputs (a loop of one's own) before_eval leaves them as they are
+    alone = SimWorld(3).run(_bn_worker, LocalSGD(period=2), False)
+    for r in alone:
+        assert torch.equal(r[1], r[0])
+
+
 def test_reestimation_runs_in_training(tmp_path):
     from test_data import write_cifar
 
     write_cifar(tmp_path / "cifar", n=8)
 
-    def run(batches: int) -> dict:
+    def run(eval_every: int = 0, **options: str) -> dict:
         return run_training(TrainConfig(
             sim=2, steps=4, batch_size=4, dataset="cifar10", data_path=str(tmp_path / "cifar"),
-            algorithm="localsgd", lr=0.01, quiet=True, eval_every=0,
-            options={"period": "2", "average_buffers": "false",
-                     "reestimate_batchnorm": str(batches)}))
+            algorithm="localsgd", lr=0.01, quiet=True, eval_every=eval_every,
+            options={"period": "2", **options}))
 
     # BatchNorm statistics kept local: the workers score differently ...
-    local = run(0)
+    local = run(reestimate_batchnorm="0")
     assert local["worker_eval_loss"][0] != local["worker_eval_loss"][1]
-    # ... re-estimated and averaged after the final average: they score the same
-    reestimated = run(2)
+    # ... re-estimated and averaged before evaluation (the default): they score the same
+    reestimated = run()
     assert reestimated["worker_eval_loss"][0] == reestimated["worker_eval_loss"][1]
+    assert reestimated["eval_loss"] != local["eval_loss"]
+    # the re-estimation before an evaluation at step 2 changes no training batch: the end is
+    # the same as without it
+    assert run(eval_every=2)["eval_loss"] == reestimated["eval_loss"]

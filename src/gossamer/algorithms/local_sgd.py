@@ -1,21 +1,29 @@
-"""Local SGD: every worker steps its own optimizer; every H steps the replicas are averaged.
+"""Local SGD: every worker steps its own optimizer; after each round of H steps the replicas
+are averaged.
 
-The averaging period H follows a schedule:
+A round starts at step ``s`` (0-based: ``s`` steps done), lasts H steps, and ends with an
+exact average after its last step, ``s + H - 1``; the next round starts at ``s + H``. H is
+chosen when the round starts:
 
+- in the warm-up (``s < warmup_steps``): H = ``warmup_period`` (default 1: an average after
+  every step, post-local SGD);
 - constant (``localsgd``): H = ``period``;
-- the Quadratic Synchronization Rule (``qsr``): after each averaging,
-  ``H = max(period, floor((alpha / lr) ** power))``, with ``lr`` the wrapped optimizer's
-  learning rate at that moment, so H grows as the learning rate decays; while the learning
-  rate still rises (a learning-rate warm-up) and at the first average H stays at ``period``,
-  as in the paper's code;
-- either with a warm-up of ``warmup_steps`` steps that average after every step (post-local
-  SGD); QSR's periods are capped so that the last step averages when the number of steps is
-  known.
+- the Quadratic Synchronization Rule (``qsr``): ``H = max(period, floor((alpha / lr) ** power))``
+  with ``lr`` the learning rate of step ``s``, the round's first step, so H grows as the
+  learning rate decays; capped by the steps left, when the number of steps is known, so that
+  the last step averages. ``warmup="rising_lr"`` instead holds H at ``period`` while the
+  learning rate still rises.
 
-Averaging follows ``torch.distributed.algorithms.model_averaging.PeriodicModelAverager``: the
-first average comes after the first step past the warm-up, then every H steps. Works with any
-``torch.optim`` optimizer — Local AdamW is local SGD around AdamW — and can average the
-optimizer state (momentum, Adam's moments) with the parameters.
+These are Lin et al.'s rounds of H local steps and the QSR authors' code (their
+``LocalOptimizer``: ``init_h`` while ``step < warmup_steps``, then the rule). torch's
+``PeriodicModelAverager`` averages after step ``warmup_steps`` and every H steps from there;
+with its ``warmup_steps = H - 1`` it averages at the same steps as ``LocalSGD(period=H)``.
+
+Only parameters are averaged (and the optimizer state, if asked: momentum, Adam's moments).
+BatchNorm running statistics stay local and are re-estimated before each evaluation, on
+training batches of each worker with its current parameters, then averaged, as in the QSR
+code; ``average_buffers=True`` averages them with the parameters at every average instead.
+Works with any ``torch.optim`` optimizer: Local AdamW is local SGD around AdamW.
 
 References: Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches, Use Local SGD" (ICLR
 2020); Gu, Lyu, Arora, Zhang, Huang, "A Quadratic Synchronization Rule for Distributed Deep
@@ -30,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -41,21 +50,29 @@ from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 
+#: QSR's warm-up rules: keyed on ``warmup_steps`` (the QSR code) or on a rising learning rate
+QSR_WARMUPS = ("steps", "rising_lr")
+
 
 @dataclass(frozen=True, kw_only=True)
 class LocalSGD(Algorithm):
     """Local SGD with a constant averaging period.
 
     Args:
-        period: H, local steps between averages (default 4). 1 averages after every step.
-        warmup_steps: average after every step for this many first steps (default 0).
+        period: H, the steps of a round: an average after every H steps (default 4).
+            1 averages after every step.
+        warmup_steps: rounds that start before this step last ``warmup_period`` steps
+            (default 0). Set it to the learning-rate warm-up's length, as the QSR code does.
+        warmup_period: H in the warm-up (default 1: average every step, post-local SGD).
         average_optimizer_state: also average the optimizer's floating-point state, e.g.
-            momentum buffers or Adam's moments (default False).
-        average_buffers: average floating-point buffers (BatchNorm statistics) with the
-            parameters (default True); False keeps them local.
-        reestimate_batchnorm: after the final average, re-estimate BatchNorm statistics on
-            this many minibatches of each worker and average them (default 0: no). The
-            training loop does it (it has the data); see ``reestimate_batchnorm()``.
+            momentum buffers or Adam's moments (default False: they stay local).
+        average_buffers: also average floating-point buffers (BatchNorm statistics) at every
+            average (default False: parameters only; the statistics are re-estimated before
+            evaluation, see ``reestimate_batchnorm``).
+        reestimate_batchnorm: before each evaluation, re-estimate BatchNorm statistics on this
+            many minibatches of each worker's training data, with its current parameters,
+            and average them over the workers (default 8; 0: never). The runtime needs
+            training inputs for it: ``gossamer train`` gives them (``training_inputs``).
         average_at_end: exact average after the last step (default True).
     """
 
@@ -64,20 +81,23 @@ class LocalSGD(Algorithm):
     cap_to_end: ClassVar[bool] = False
 
     period: int = 4  # H_base; higher: fewer averages, fewer bytes, more drift between replicas
-    warmup_steps: int = 0  # steps that average every step first (post-local SGD)
+    warmup_steps: int = 0  # rounds starting before this step last warmup_period steps
+    warmup_period: int = 1  # H in the warm-up; 1: every step (post-local SGD)
     average_optimizer_state: bool = False  # also average momentum / Adam moments
-    average_buffers: bool = True  # BatchNorm statistics averaged with the parameters
-    reestimate_batchnorm: int = 0  # batches to re-estimate BatchNorm statistics at the end
+    average_buffers: bool = False  # True: BatchNorm statistics averaged with the parameters
+    reestimate_batchnorm: int = 8  # minibatches per worker to re-estimate them before eval
     average_at_end: bool = True  # all replicas equal after the last step
 
     def __post_init__(self) -> None:
         check_int("period", self.period, 1)
         check_int("warmup_steps", self.warmup_steps, 0)
+        check_int("warmup_period", self.warmup_period, 1)
         check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
 
-    def next_period(self, lr: float) -> int:
-        """H after an average, given the learning rate at that moment."""
-        return self.period
+    def round_period(self, step: int, lr: float, previous_lr: float | None) -> int:
+        """H of the round that starts at ``step`` (0-based), whose first step has learning
+        rate ``lr``; ``previous_lr``: that of the previous round's first step (None: first)."""
+        return self.warmup_period if step < self.warmup_steps else self.period
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> LocalSGDRuntime:
@@ -86,13 +106,18 @@ class LocalSGD(Algorithm):
 
 @dataclass(frozen=True, kw_only=True)
 class QSR(LocalSGD):
-    """Local SGD whose period follows the Quadratic Synchronization Rule:
-    ``H = max(period, floor((alpha / lr) ** power))`` after each average.
+    """Local SGD whose period follows the Quadratic Synchronization Rule: a round starting
+    at a step with learning rate ``lr`` lasts ``H = max(period, floor((alpha / lr) ** power))``.
 
     Args:
         period: H_base, the smallest period (default 2).
         alpha: the rule's scale (default 0.01): H exceeds H_base once lr < alpha / H_base^(1/power).
         power: the exponent (default 2, the quadratic rule).
+        warmup: what keeps the rule off while the learning rate warms up (default
+            ``"steps"``: the rounds starting before ``warmup_steps`` last ``warmup_period``
+            steps, as in the QSR code; set ``warmup_steps`` to the learning-rate warm-up).
+            ``"rising_lr"``: also H = H_base for a round whose learning rate is higher than
+            the previous round's, and for the first round (no length to set).
         (and the options of :class:`LocalSGD`)
     """
 
@@ -102,6 +127,7 @@ class QSR(LocalSGD):
     period: int = 2  # H_base
     alpha: float = 0.01  # higher: longer periods at the same learning rate
     power: float = 2.0  # 2: the quadratic rule; 1: a linear one
+    warmup: str = "steps"  # "steps": warmup_steps; "rising_lr": H_base while the lr rises
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -111,10 +137,18 @@ class QSR(LocalSGD):
         if not (isinstance(self.power, (int, float)) and math.isfinite(self.power)
                 and self.power > 0):
             raise ValueError(f"power must be a number > 0, got {self.power!r}")
+        if self.warmup not in QSR_WARMUPS:
+            raise ValueError(f"warmup must be one of {', '.join(QSR_WARMUPS)}, "
+                             f"got {self.warmup!r}")
 
-    def next_period(self, lr: float) -> int:
+    def round_period(self, step: int, lr: float, previous_lr: float | None) -> int:
+        if step < self.warmup_steps:
+            return self.warmup_period
+        if self.warmup == "rising_lr" and (previous_lr is None or lr > previous_lr):
+            # a learning-rate warm-up's small early rates would give one huge period
+            return self.period
         if lr <= 0:
-            raise ValueError(f"QSR needs a positive learning rate, got lr={lr}")
+            raise ValueError(f"QSR needs a positive learning rate, got lr={lr} at step {step}")
         return max(self.period, math.floor((self.alpha / lr) ** self.power))
 
 
@@ -125,41 +159,41 @@ class LocalSGDRuntime(Runtime):
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(comm, model, optimizer)
         self.config = config
+        #: ``training_inputs(k)``: k minibatches of this worker's training inputs, drawn apart
+        #: from the batches training uses; set by a training loop that has the data
+        #: (``gossamer train`` does), for the BatchNorm re-estimation before evaluation
+        self.training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None
         # internal state
-        self.next_average = config.warmup_steps  # the step (0-based) that averages next
-        self.current_period = 1 if config.warmup_steps else config.period
+        self.next_average: int | None = None  # the current round's last step; None: none yet
+        self.current_period = 0  # H of the current round
         self.last_averaged = -1  # the last step that averaged
-        self.last_lr: float | None = None  # the learning rate at the last average
+        self.last_lr: float | None = None  # the learning rate of the last round's first step
         # statistics
-        self.periods: list[tuple[int, int]] = []  # (step, H chosen after averaging there)
+        self.periods: list[tuple[int, int]] = []  # (first step of a round, its H)
 
     def _steps_left(self) -> int | None:
-        return None if self.total_steps is None else self.total_steps - 1 - self.step
+        """Steps from this one to the end, this one included (None: unknown)."""
+        return None if self.total_steps is None else self.total_steps - self.step
 
     @torch.no_grad()
     def after_step(self) -> None:
-        step, config = self.step, self.config
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        if step < config.warmup_steps:
+        step = self.step
+        if self.next_average is None:  # this step starts a round: its H, from its lr
+            self._start_round(step)
+        if step == self.next_average:
             self._average()
-            self.last_lr = lr
-            return
-        if step != self.next_average:
-            return
-        self._average()
-        # While the learning rate still rises (a learning-rate warm-up), and at the first
-        # average, H stays at H_base: the rule is meant for the decaying learning rate, and
-        # a warm-up's small early rates would give one huge period.
-        rising = self.last_lr is None or lr > self.last_lr
-        period = config.period if rising else config.next_period(lr)
+            self.next_average = None
+
+    def _start_round(self, step: int) -> None:
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        period = self.config.round_period(step, lr, self.last_lr)
         self.last_lr = lr
         left = self._steps_left()
-        if config.cap_to_end and left is not None and left > 0:
+        if self.config.cap_to_end and left is not None and left > 0:
             period = min(period, left)  # so that the last step averages
         self.current_period = period
-        self.next_average = step + period
-        if left is None or left > 0:  # (after the last step there is no next period)
-            self.periods.append((step, period))
+        self.next_average = step + period - 1
+        self.periods.append((step, period))
 
     def _average(self) -> None:
         tensors = [p.data for p in self.model.parameters()]
@@ -173,6 +207,13 @@ class LocalSGDRuntime(Runtime):
         average_tensors(self.comm, tensors)
         self.synchronizations += 1
         self.last_averaged = self.step
+
+    def before_eval(self) -> None:
+        """Re-estimate and average BatchNorm statistics (``reestimate_batchnorm``), when the
+        training loop gave training inputs. Collective."""
+        count = self.config.reestimate_batchnorm
+        if count and self.training_inputs is not None:
+            reestimate_batchnorm(self.comm, self.model, self.training_inputs(count))
 
     def finish(self) -> None:
         if self.config.average_at_end and self.last_averaged != self.step - 1:
@@ -191,7 +232,8 @@ class LocalSGDRuntime(Runtime):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.next_average = int(state["next_average"])
+        next_average = state["next_average"]
+        self.next_average = None if next_average is None else int(next_average)
         self.current_period = int(state["current_period"])
         self.last_averaged = int(state["last_averaged"])
         last_lr = state.get("last_lr")
@@ -213,12 +255,16 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 @torch.no_grad()
-def reestimate_batchnorm(comm: Communicator, model: nn.Module, batches) -> bool:
+def reestimate_batchnorm(comm: Communicator, model: nn.Module,
+                         batches: Iterable[torch.Tensor]) -> bool:
     """Recompute BatchNorm running statistics of ``model`` from ``batches`` (an iterable of
-    inputs), as the cumulative average over them, then average them over the workers.
+    inputs, only read when there is a BatchNorm layer), as the cumulative average over them,
+    then average them over the workers.
 
     Collective. Returns False (and does nothing) when the model has no BatchNorm layer.
-    Reference: the "BN re-estimation" of Gu et al. (ICLR 2024), Appendix.
+    Reference: the BatchNorm estimation of Gu et al.'s code (ICLR 2024), which sets the
+    momentum of the i-th batch to 1 / (1 + i) and then averages the running means and
+    variances over the workers.
     """
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not norms:

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,18 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
                        alpha=config.alpha, seed=config.seed)
     sampler = ShardSampler(shards[comm.rank], config.batch_size,
                            seed=config.seed * 7919 + comm.rank)
+
+    def training_inputs(count: int) -> Iterator[torch.Tensor]:
+        """``count`` minibatches of this worker's shard for a method to re-estimate statistics
+        before evaluating (local SGD's BatchNorm statistics): drawn apart from training's,
+        seeded by the step, so that evaluating changes neither the training batches nor a
+        resumed run."""
+        seed = np.random.SeedSequence([config.seed, comm.rank, runtime.step]).generate_state(1)
+        draw = ShardSampler(shards[comm.rank], config.batch_size, seed=int(seed[0]))
+        for _ in range(count):
+            yield dataset.x_train[draw.next_batch()].to(device)
+
+    runtime.training_inputs = training_inputs  # read by the runtimes that need it
     # Traffic and time spent only to measure or checkpoint, not by the algorithm.
     excluded = dict(setup)
     offsets = {"bytes": 0, "messages": 0, "time": 0.0}  # carried over from before a resume
@@ -283,13 +295,6 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         optimizer.step()
         if done == config.steps:
             optimizer.finish()
-            batches = getattr(runtime.config, "reestimate_batchnorm", 0) \
-                if hasattr(runtime, "config") else 0
-            if batches:
-                from gossamer.algorithms.local_sgd import reestimate_batchnorm
-
-                reestimate_batchnorm(comm, model, (
-                    dataset.x_train[sampler.next_batch()].to(device) for _ in range(batches)))
         if math.isfinite(step_loss):
             window_loss, window_count = window_loss + step_loss, window_count + 1
         elif config.nonfinite == "raise":  # (under "skip", the step's update was skipped)
