@@ -149,9 +149,10 @@ class WAGMARuntime(GossipRuntime):
         self.rounds_skipped = 0  # rounds this worker jumped over to catch up
         self.waits = 0  # times a member was more than tau rounds behind
         self.ages: Counter[int] = Counter()  # contribution age (rounds) -> count
-        #: (step, round, "group" or "global", {member: stamp of the model averaged}) per
-        #: round; kept only when recording (set ``events = []``)
-        self.events: list[tuple[int, int, str, dict[int, int]]] | None = None
+        #: (step, round, "group" or "global", {member: stamp of the model averaged}, members
+        #: paused at their current model) per round; kept only when recording (set
+        #: ``events = []``)
+        self.events: list[tuple[int, int, str, dict[int, int], set[int]]] | None = None
         if self.asynchronous:
             self._post_receives()
 
@@ -267,7 +268,7 @@ class WAGMARuntime(GossipRuntime):
 
     def _record(self, q: int, kind: str, stamps: dict[int, int]) -> None:
         if self.events is not None:
-            self.events.append((self.step, q, kind, stamps))
+            self.events.append((self.step, q, kind, stamps, set(self.held)))
 
     def _target_round(self) -> int:
         """The round to execute: this worker's next one; or, when the newest round a partner
