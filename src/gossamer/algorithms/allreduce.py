@@ -42,7 +42,13 @@ from gossamer.algorithms.nonfinite import (
 )
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
-from gossamer.compress.dgc import DGCMemory, check_no_momentum, take_over_momentum
+from gossamer.compress.dgc import (
+    DGCMemory,
+    apply_weight_decay,
+    check_no_momentum,
+    decay_in_gradient,
+    take_over_momentum,
+)
 from gossamer.compress.reducer import CompressedReducer, check_node_size
 
 
@@ -58,7 +64,9 @@ class AllReduce(Algorithm):
         memory: what the compressor did not send, e.g.
             :class:`~gossamer.compress.ErrorFeedback` or :class:`~gossamer.compress.DGCMemory`
             (default None); needs a compressor. A ``DGCMemory(momentum=None)`` takes the
-            momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over when bound.
+            momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over when bound; the
+            weight decay is then applied by each worker after the exchange, dense, unless
+            ``DGCMemory(weight_decay_in_gradient=True)``.
         aggregation: ``"allreduce"`` or ``"allgather"`` (default None: the compressor's
             own); a sparse compressor cannot be all-reduced, which is a ValueError here.
         node_size: with a compressor, average dense inside groups of this many consecutive
@@ -145,6 +153,7 @@ class AllReduceRuntime(Runtime):
                              if p.requires_grad), key=lambda item: item[0])
         memory = config.memory
         self.weight_decay: dict[torch.Tensor, float] = {}  # taken over from the optimizer
+        self.decay_in_gradient = decay_in_gradient(memory)  # else dense, after the exchange
         if isinstance(memory, DGCMemory):
             if memory.momentum is None:
                 momentum, nesterov, self.weight_decay = take_over_momentum(
@@ -205,7 +214,7 @@ class AllReduceRuntime(Runtime):
             if p.grad is None:  # unused here, maybe not elsewhere: its gradient is zero
                 p.grad = torch.zeros_like(p)
             decay = self.weight_decay.get(p)
-            if decay:
+            if decay and self.decay_in_gradient:
                 p.grad.add_(p.detach(), alpha=decay)
         # A worker whose gradient is non-finite compresses zeros instead, so that no message,
         # residual or momentum ever holds the value; the flags ride with the reduction and
@@ -222,6 +231,11 @@ class AllReduceRuntime(Runtime):
                             flags=self.flags)
         if not self._agree():  # skip: every worker drops this step's average
             return
+        if not self.decay_in_gradient:  # each worker decays its own parameters: nothing sent
+            for name, p in self.named:
+                decay = self.weight_decay.get(p)
+                if decay:
+                    apply_weight_decay(self.reducer.memory, name, p, p.grad, decay)
         self.synchronizations += 1
 
     def state_dict(self) -> dict[str, Any]:

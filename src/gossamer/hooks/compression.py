@@ -17,7 +17,9 @@ not depend on how DDP buckets them (DDP rebuilds its buckets after the first ste
 optimizer must not apply it again: pass ``optimizer=`` to :class:`DGCState` and it takes the
 momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over (setting them to 0 there), as
 gossamer's own DGC does; or build the optimizer without them and give ``momentum=`` and
-``weight_decay=`` to the state.
+``weight_decay=`` to the state. The weight decay is added by each worker to the reduced
+bucket, dense and never compressed, through the same momentum (every parameter decays every
+step); ``weight_decay_in_gradient=True`` adds it to the gradient before compression instead.
 
 Example::
 
@@ -55,6 +57,7 @@ from gossamer.compress import (
     TopK,
     take_over_momentum,
 )
+from gossamer.compress.dgc import apply_weight_decay, decay_in_gradient
 from gossamer.compress.reducer import CompressedReducer
 
 __all__ = [
@@ -83,8 +86,11 @@ class CompressionState:
         memory: a :class:`~gossamer.compress.Memory`, or None (default).
         aggregation: ``"allreduce"``, ``"allgather"`` or None (default: the compressor's).
         node_size: ranks per node for hierarchical aggregation (default 1).
-        weight_decay: added to each gradient before compensation, ``{param: decay}`` or one
-            number for all (default 0); for a memory that applies momentum.
+        weight_decay: ``{param: decay}`` or one number for all (default 0), for a memory that
+            applies momentum (the optimizer then has none): added by each worker to the
+            reduced gradient, dense and never compressed, through the momentum of a
+            :class:`~gossamer.compress.DGCMemory`; or, with
+            ``DGCMemory(weight_decay_in_gradient=True)``, to each gradient before compensation.
         comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over
             ``process_group``).
         process_group: DDP's process group (default: the default group); only used when
@@ -158,10 +164,15 @@ def compression_hook(
     named = []
     for p, g in zip(bucket.parameters(), grads, strict=True):
         decay = state.weight_decay.get(id(p))
-        if decay:
+        if decay and decay_in_gradient(state.reducer.memory):
             g.add_(p.detach(), alpha=decay)
         named.append((state.names[id(p)], g))
     state.reducer.reduce(named, state.step)
+    if not decay_in_gradient(state.reducer.memory):  # each worker's own, dense, never sent
+        for p, (name, g) in zip(bucket.parameters(), named, strict=True):
+            decay = state.weight_decay.get(id(p))
+            if decay:
+                apply_weight_decay(state.reducer.memory, name, p, g, decay)
     storage = buffer.untyped_storage().data_ptr()
     if any(g.untyped_storage().data_ptr() != storage for g in grads):  # copies: write back
         torch.cat([g.reshape(-1) for g in grads], out=buffer)
@@ -196,6 +207,9 @@ class DGCState(CompressionState):
         momentum: momentum correction's ``m`` when no optimizer is given (default 0).
         nesterov: Nesterov momentum when no optimizer is given (default False).
         weight_decay: weight decay when no optimizer is given (default 0).
+        weight_decay_in_gradient: add the weight decay to each gradient before compression,
+            sparsified and delayed with it (default False: each worker adds it to the reduced
+            gradient, dense, through the momentum). See :class:`~gossamer.compress.DGCMemory`.
         momentum_masking: zero the momentum of sent elements (default True).
         clip_norm: local clipping threshold of each tensor's gradient norm on each worker
             (default None).
@@ -217,6 +231,7 @@ class DGCState(CompressionState):
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
+        weight_decay_in_gradient: bool = False,
         momentum_masking: bool = True,
         clip_norm: float | None = None,
         node_size: int = 1,
@@ -228,7 +243,7 @@ class DGCState(CompressionState):
                                    warmup_steps=warmup_steps, warmup_stages=warmup_stages,
                                    fp16_values=fp16_values, seed=seed)
         memory = DGCMemory(momentum=momentum, nesterov=nesterov, masking=momentum_masking,
-                           clip_norm=clip_norm)
+                           clip_norm=clip_norm, weight_decay_in_gradient=weight_decay_in_gradient)
         decays: float | dict[torch.Tensor, float] = weight_decay
         if optimizer is not None:
             if momentum or nesterov or weight_decay:
