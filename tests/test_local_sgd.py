@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -331,3 +332,29 @@ def test_reestimation_runs_in_training(tmp_path):
     # the re-estimation before an evaluation at step 2 changes no training batch: the end is
     # the same as without it
     assert run(eval_every=2)["eval_loss"] == reestimated["eval_loss"]
+
+
+def test_reestimation_keeps_a_resumed_run_equal(tmp_path, monkeypatch):
+    """The re-estimation at an evaluation (step 3) and the checkpoint after it: a run stopped
+    at step 4 and resumed ends as the one that never stopped, statistics and all."""
+    from resume_helpers import straight_and_resumed
+    from test_data import write_cifar
+
+    from gossamer.train import checkpoint as ckpt
+
+    write_cifar(tmp_path / "cifar", n=8)
+    straight, stopped, resumed = straight_and_resumed(
+        monkeypatch, tmp_path, 4, sim=2, steps=6, eval_every=3, checkpoint_every=3,
+        batch_size=4, quiet=True, dataset="cifar10", data_path=str(tmp_path / "cifar"),
+        lr=0.01, algorithm="localsgd", options={"period": "2"})
+    for rank in range(2):
+        a = ckpt.safe_load(ckpt.latest_checkpoint(straight) / f"rank-{rank:05d}.pt")
+        b = ckpt.safe_load(ckpt.latest_checkpoint(stopped) / f"rank-{rank:05d}.pt")
+        for key in a["buffers"]:
+            assert torch.equal(a["buffers"][key], b["buffers"][key]), (rank, key)
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), (rank, key)
+    final = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line).get("kind") == "eval"][-1]
+    assert resumed["eval_loss"] == final["eval_loss"]
+    assert resumed["worker_eval_loss"] == final["worker_eval_loss"]
