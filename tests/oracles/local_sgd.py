@@ -5,16 +5,18 @@ Local SGD, Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches, Use Local SG
 2020), Algorithm 1: the K workers start from the same model; in round ``(t)`` each runs H local
 steps from the averaged model, ``w^k_{(t)+h+1} = w^k_{(t)+h} - gamma g^k_{(t)+h}`` for
 ``h = 0 .. H-1``, and then the models are averaged exactly, ``w_{(t+1)} = (1/K) sum_k
-w^k_{(t)+H}``. So the averages follow steps H-1, 2H-1, ... (0-based). Post-local SGD, their
-Section 3: H = 1 (an average after every step, mini-batch SGD) for the first ``t'`` steps, then
-rounds of H. With momentum each worker keeps its own momentum buffer and only the models are
-averaged, as in the authors' code (their ``LocalSGD`` optimizer); averaging the buffers too is
-an option here (``average_state``), as in the library.
+w^k_{(t)+H}``. So the averages follow steps H-1, 2H-1, ... (0-based); the authors' code
+averages after steps 0, H, 2H, ... instead (its counter is read before it is incremented: a
+first round of one step), and so does torch's ``PeriodicModelAverager``. Post-local SGD, the
+same paper: H = 1 (an average after every step, mini-batch SGD) for the first ``t'`` steps,
+then rounds of H. With momentum each worker keeps its own momentum buffer and only the models
+are averaged, as in the authors' code (their ``LocalSGD`` optimizer); averaging the buffers too
+is an option here (``average_state``), as in the library.
 
 The Quadratic Synchronization Rule, Gu, Lyu, Arora, Zhang, Huang, "A Quadratic Synchronization
 Rule for Distributed Deep Learning" (ICLR 2024), Algorithm 1 (local gradient methods: round s
 is H^(s) local steps of the optimizer OPT, then an exact average of the parameters) with the
-rule of their Section 3: the round that starts at step t lasts ``H^(s) = max(H_base,
+rule the paper proposes: the round that starts at step t lasts ``H^(s) = max(H_base,
 floor((alpha / eta_t) ** 2))`` steps, ``eta_t`` the learning rate at t, so that H grows as the
 schedule decays. The warm-up is their code's (``LocalOptimizer.adjust_h``): a round that starts
 before ``warmup_steps`` lasts ``init_h`` steps (``warmup_period`` here), and every period is
