@@ -4,6 +4,7 @@ correction, the wire format on the simulator and gloo, and AllReduce with a comp
 from __future__ import annotations
 
 import io
+import itertools
 import math
 
 import pytest
@@ -498,6 +499,70 @@ def test_dgc_at_full_density_is_sgd_with_momentum():
     for name, value in exact[0].items():
         assert torch.allclose(dgc[0][name], value, atol=1e-5), name
         assert torch.equal(dgc[1][name], dgc[0][name])
+
+
+DECAY_LR, DECAY = 0.1, 0.1
+
+
+def _decay_run(comm, algorithm, *, momentum: float, nesterov: bool = False,
+               optimizer_decay: float = DECAY, penalty: float = 0.0, steps: int = 4):
+    """Least squares on one float64 Linear(32, 16) per worker (512 weights: at ratio 1e-3
+    each worker sends one a step); the weight after each step, the initial one first.
+    ``penalty`` adds ``0.5 * penalty * ||params||^2`` to the loss (decay inside the gradient)."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 16, dtype=torch.float64)
+    sgd = torch.optim.SGD(model.parameters(), lr=DECAY_LR, momentum=momentum,
+                          nesterov=nesterov, weight_decay=optimizer_decay)
+    opt = gossamer.distribute(model, sgd, algorithm, comm, broadcast=False)
+    g = torch.Generator().manual_seed(comm.rank)
+    history = [model.weight.detach().clone()]
+    for _ in range(steps):
+        x = torch.randn(8, 32, generator=g, dtype=torch.float64)
+        y = torch.randn(8, 16, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        loss = 0.5 * (model(x) - y).pow(2).sum(1).mean()
+        if penalty:
+            loss = loss + 0.5 * penalty * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
+        opt.step()
+        history.append(model.weight.detach().clone())
+    return history
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_dgc_weight_decay_is_dense_and_local(momentum, nesterov):
+    """By default every weight decays every step, though almost none is sent: with b = m b +
+    wd x (b = wd x without momentum), each step moves every weight that no worker sent by
+    exactly lr * b (Nesterov: lr * (wd x + m b)), as momentum SGD moves it under decay alone."""
+    workers = 4
+    algorithm = DGC(ratio=1e-3, fp16_values=False)
+    history = SimWorld(workers).run(lambda comm: _decay_run(
+        comm, algorithm, momentum=momentum, nesterov=nesterov))[0]
+    buffer = torch.zeros_like(history[0])
+    for before, after in itertools.pairwise(history):
+        buffer = momentum * buffer + DECAY * before
+        step = DECAY * before + momentum * buffer if nesterov else buffer
+        off = (after - (before - DECAY_LR * step)).abs() > 1e-15
+        assert int(off.sum()) <= workers  # only where a worker sent its one element
+        assert bool((after != before).all())  # every weight moved
+
+
+def test_dgc_weight_decay_in_gradient_is_sparsified_with_it():
+    """weight_decay_in_gradient=True keeps the former behaviour: the decay is added to the
+    gradient before momentum correction, exactly as an L2 penalty in the loss with DGC's own
+    momentum, so a weight that is not sent does not move."""
+    workers = 4
+    option = SimWorld(workers).run(lambda comm: _decay_run(
+        comm, DGC(ratio=1e-3, fp16_values=False, weight_decay_in_gradient=True),
+        momentum=0.9))[0]
+    compressor = DGCCompressor(ratio=1e-3, fp16_values=False)
+    penalty = SimWorld(workers).run(lambda comm: _decay_run(
+        comm, AllReduce(compressor=compressor, memory=DGCMemory(momentum=0.9)),
+        momentum=0.0, optimizer_decay=0.0, penalty=DECAY))[0]
+    for got, want in zip(option, penalty, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    for before, after in itertools.pairwise(option):
+        assert int((after != before).sum()) <= workers  # the others wait in v
 
 
 def test_hierarchy_averages_exactly_when_nothing_is_dropped():

@@ -203,6 +203,66 @@ def test_state_dict_round_trip_and_checks():
         SimWorld(1).run(lambda comm: QSGDState(_model(), levels=0, comm=comm))
 
 
+class _Bucket:
+    """What the hook reads of a DDP ``GradBucket``: here the whole model's gradient."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.flat = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        views = self.flat.split([p.numel() for p in self.params])
+        return [v.view_as(p) for v, p in zip(views, self.params, strict=True)]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.params
+
+    def is_last(self) -> bool:
+        return True
+
+
+def hook_worker(comm, in_gradient: bool) -> dict[str, torch.Tensor]:
+    """DGC's hook in the simulator, with a stand-in for DDP's bucket."""
+    model = _model()
+    optimizer = _optimizer(model)
+    state = DGCState(model, ratio=0.02, warmup_steps=2, optimizer=optimizer, comm=comm,
+                     weight_decay_in_gradient=in_gradient)
+    xs, ys = _batches(comm.rank)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        F.cross_entropy(model(xs[step]), ys[step]).backward()
+        params = list(model.parameters())
+        bucket = _Bucket(params)
+        reduced = dgc_hook(state, bucket).value()
+        for p, g in zip(params, reduced.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p))
+        optimizer.step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("in_gradient", [False, True])
+def test_hook_weight_decay_matches_gossamer(in_gradient):
+    """The hook applies the weight decay as gossamer's DGC does, in either place: dense after
+    the exchange (the default) or in the gradient before compression."""
+    def ours(comm):
+        model = _model()
+        algorithm = DGC(ratio=0.02, warmup_steps=2, weight_decay_in_gradient=in_gradient)
+        optimizer = gossamer.distribute(model, _optimizer(model), algorithm, comm)
+        _steps(model, optimizer, comm.rank)
+        return _params(model)
+
+    hooked = SimWorld(WORLD).run(hook_worker, in_gradient)
+    reference = SimWorld(WORLD).run(ours)
+    other = SimWorld(WORLD).run(hook_worker, not in_gradient)
+    for name, value in reference[0].items():
+        for rank in range(WORLD):
+            assert torch.allclose(hooked[rank][name], value, atol=1e-6), name
+    assert any(not torch.allclose(other[0][k], v, atol=1e-6) for k, v in reference[0].items())
+
+
 def nccl_worker() -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

@@ -87,8 +87,11 @@ class DGC(_Compressed):
     values and int32 positions, all-gathered. See :mod:`gossamer.compress.dgc`.
 
     The momentum, Nesterov and weight decay of a ``torch.optim.SGD`` are taken over when bound
-    (momentum correction applies them before sparsification); the optimizer then steps with the
-    averaged sparse velocities.
+    (momentum correction applies the momentum before sparsification); the optimizer then steps
+    with the averaged sparse velocities. The weight decay is applied by each worker to its own
+    parameters after the exchange, dense and never compressed, through the same momentum (as
+    the reference implementation): every parameter decays every step, and at ``ratio=1``
+    without masking this is exactly momentum SGD with weight decay.
 
     Args:
         ratio: density, in (0, 1] (default 0.001). Lower: fewer bytes.
@@ -99,6 +102,9 @@ class DGC(_Compressed):
         clip_norm: local gradient clipping: each worker clips each tensor's gradient norm to
             ``clip_norm / sqrt(workers)`` (default None: no clipping).
         fp16_values: send values as float16 (default True).
+        weight_decay_in_gradient: add the weight decay to each gradient before momentum
+            correction, so that it is sparsified and delayed with it (default False: dense and
+            local, after the exchange). See :class:`~gossamer.compress.DGCMemory`.
         node_size: hierarchy: dense inside nodes of this many ranks, sparse between (default 1).
         bucket_mb: MiB of gradients per all-gather (default 25).
         seed: seeds the threshold samples (default 0).
@@ -113,6 +119,7 @@ class DGC(_Compressed):
     momentum_masking: bool = True  # no stale momentum for elements just sent
     clip_norm: float | None = None  # global threshold; each worker clips at / sqrt(n)
     fp16_values: bool = True  # 6 bytes per sent element (False: 8)
+    weight_decay_in_gradient: bool = False  # True: decay sparsified and delayed with the grad
     node_size: int = 1  # > 1: dense all-reduce inside each node first
     bucket_mb: float = 25.0  # higher: fewer, larger all-gathers
     seed: int = 0
@@ -121,6 +128,7 @@ class DGC(_Compressed):
         self.compressor()  # checks ratio, sample_ratio, warmup_*, seed
         if self.clip_norm is not None:
             check_positive("clip_norm", self.clip_norm, allow_zero=False)
+        self.memory(1)  # checks weight_decay_in_gradient
         check_node_size(self.node_size)
         _check_bucket_mb(self.bucket_mb)
 
@@ -129,11 +137,15 @@ class DGC(_Compressed):
                              warmup_steps=self.warmup_steps, warmup_stages=self.warmup_stages,
                              fp16_values=self.fp16_values, seed=self.seed)
 
-    def allreduce(self, world_size: int) -> AllReduce:
+    def memory(self, world_size: int) -> DGCMemory:
+        """The memory of each worker: the global ``clip_norm`` scaled by ``world_size ** -0.5``."""
         clip = None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
-        memory = DGCMemory(momentum=None, masking=self.momentum_masking, clip_norm=clip)
-        return AllReduce(bucket_mb=self.bucket_mb, compressor=self.compressor(), memory=memory,
-                         node_size=self.node_size)
+        return DGCMemory(momentum=None, masking=self.momentum_masking, clip_norm=clip,
+                         weight_decay_in_gradient=self.weight_decay_in_gradient)
+
+    def allreduce(self, world_size: int) -> AllReduce:
+        return AllReduce(bucket_mb=self.bucket_mb, compressor=self.compressor(),
+                         memory=self.memory(world_size), node_size=self.node_size)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,8 +33,17 @@ in ``warmup_stages`` stages (the paper: 25%, 6.25%, 1.5625%, 0.4%, then 0.1%, on
 Since the momentum is applied here, before sparsification, the optimizer must not apply it
 again: :func:`take_over_momentum` moves momentum, Nesterov and weight decay out of a
 ``torch.optim.SGD``'s parameter groups (the runtime and the DDP hook call it), and the optimizer
-then steps with the averaged velocities. Optional local gradient clipping (section 3.3) clips
+then steps with the averaged velocities. Optional local gradient clipping (section 3.2) clips
 each tensor's gradient before it enters ``u``.
+
+Weight decay is applied by each worker to its own parameters, dense and never compressed, as
+the reference implementation's optimizer does: after the exchange, ``b = m b + wd x`` (a
+momentum buffer of its own, with the same ``m``; Nesterov: ``wd x + m b``) is added to the
+averaged velocity before the optimizer steps (:meth:`DGCMemory.decay`). Every parameter thus
+decays every step, as in SGD, instead of waiting in ``v`` until its decay is large enough to
+be sent; and at full density without masking DGC is exactly momentum SGD with weight decay.
+``DGCMemory(weight_decay_in_gradient=True)`` instead adds ``wd x`` to each gradient before
+momentum correction, so that the decay is sparsified and delayed with the gradient.
 
 Example::
 
@@ -288,18 +297,27 @@ class DGCMemory(Memory):
         clip_norm: local gradient clipping: each tensor's gradient norm is clipped to this
             before it is accumulated (default None: no clipping). The paper scales a global
             threshold by ``workers ** -0.5``; :class:`~gossamer.algorithms.DGC` does so.
+        weight_decay_in_gradient: where the weight decay taken over from the optimizer (or
+            given to a DDP hook state) goes. False (default): each worker applies it to its own
+            parameters after the exchange, dense and never compressed, through a momentum
+            buffer of its own (:meth:`decay`), as the reference implementation does: every
+            parameter decays every step. True: ``wd * x`` is added to each gradient before
+            momentum correction, so it is sparsified, and delayed in ``v`` like the gradient.
     """
 
     momentum: float | None = None  # None: the optimizer's
     nesterov: bool = False
     masking: bool = True  # zero the momentum of sent elements: no stale momentum
     clip_norm: float | None = None  # per tensor, per worker
+    weight_decay_in_gradient: bool = False  # True: the decay is sparsified with the gradient
 
-    # internal state: momentum u and velocity v of each tensor
+    # internal state: momentum u and velocity v of each tensor; the weight decay's momentum
     _u: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False,
                                                     repr=False, compare=False)
     _v: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False,
                                                     repr=False, compare=False)
+    _decay: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False,
+                                                        repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.momentum is not None and (
@@ -309,6 +327,9 @@ class DGCMemory(Memory):
             raise ValueError(f"momentum must be in [0, 1) or None, got {self.momentum!r}")
         if self.clip_norm is not None:
             check_positive("clip_norm", self.clip_norm, allow_zero=False)
+        if not isinstance(self.weight_decay_in_gradient, bool):
+            raise ValueError(f"weight_decay_in_gradient must be a bool, "
+                             f"got {self.weight_decay_in_gradient!r}")
 
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.detach()
@@ -341,6 +362,26 @@ class DGCMemory(Memory):
         else:  # a dense payload sent every element: keep only its rounding error
             v.sub_(compressor.decompress(payload, key).view_as(v))
 
+    def decay(self, key: str, param: torch.Tensor, grad: torch.Tensor,
+              weight_decay: float) -> None:
+        """Add this worker's weight-decay step of ``param`` (tensor ``key``) to ``grad``, the
+        averaged gradient, after the exchange: ``b = m b + wd * param`` and ``grad += b``
+        (Nesterov: ``grad += wd * param + m b``), dense, in ``param``'s dtype.
+
+        This is SGD's momentum applied to the decay alone; the gradient's momentum is already
+        in the averaged velocity, so the sum is momentum SGD with weight decay on every
+        parameter, every step. Every worker holds the same parameters, so all add the same.
+        """
+        step = param.detach() * weight_decay
+        m = self.momentum or 0.0
+        if m:
+            buffer = self._decay.get(key)
+            if buffer is None or buffer.shape != step.shape:
+                buffer = self._decay[key] = torch.zeros_like(step)
+            buffer.mul_(m).add_(step)
+            step = step.add_(buffer, alpha=m) if self.nesterov else buffer
+        grad.add_(step.view_as(grad))
+
     def momentum_of(self, key: str) -> torch.Tensor | None:
         """``u`` of tensor ``key`` (None before its first step)."""
         return self._u.get(key)
@@ -351,13 +392,14 @@ class DGCMemory(Memory):
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum": {k: t.clone() for k, t in self._u.items()},
-                "velocity": {k: t.clone() for k, t in self._v.items()}}
+                "velocity": {k: t.clone() for k, t in self._v.items()},
+                "decay": {k: t.clone() for k, t in self._decay.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._u.clear()
-        self._v.clear()
-        self._u.update({k: t.clone() for k, t in state["momentum"].items()})
-        self._v.update({k: t.clone() for k, t in state["velocity"].items()})
+        for own, saved in ((self._u, state["momentum"]), (self._v, state["velocity"]),
+                           (self._decay, state.get("decay", {}))):
+            own.clear()
+            own.update({k: t.clone() for k, t in saved.items()})
 
 
 def take_over_momentum(
@@ -366,10 +408,11 @@ def take_over_momentum(
     """Move momentum, Nesterov and weight decay of ``params`` out of a ``torch.optim.SGD``.
 
     DGC's momentum correction applies momentum before sparsification, so the optimizer must
-    not apply it again; weight decay is moved with it, so that it enters the momentum as SGD
-    would add it. Returns ``(momentum, nesterov, {param: weight_decay})``, and sets those
-    groups' ``momentum``, ``nesterov`` and ``weight_decay`` to 0. Other optimizers (Adam...)
-    are left alone: ``(0.0, False, {})``, the memory is then plain gradient accumulation.
+    not apply it again; weight decay is moved with it, so that it goes through the same
+    momentum as SGD would put it (see :func:`apply_weight_decay`). Returns ``(momentum,
+    nesterov, {param: weight_decay})``, and sets those groups' ``momentum``, ``nesterov`` and
+    ``weight_decay`` to 0. Other optimizers (Adam...) are left alone: ``(0.0, False, {})``, the
+    memory is then plain gradient accumulation and the optimizer applies its own weight decay.
     Raises ValueError if the groups disagree on momentum or Nesterov, or use dampening.
     """
     if not isinstance(optimizer, torch.optim.SGD):
@@ -390,6 +433,23 @@ def take_over_momentum(
                 decays[p] = float(g["weight_decay"])
         g["momentum"], g["nesterov"], g["weight_decay"] = 0, False, 0
     return (momenta[0] if momenta else 0.0), (nesterovs[0] if nesterovs else False), decays
+
+
+def decay_in_gradient(memory: Memory | None) -> bool:
+    """Whether the weight decay taken over for ``memory`` is added to the gradient before
+    compression (``DGCMemory(weight_decay_in_gradient=True)``) rather than after the exchange."""
+    return isinstance(memory, DGCMemory) and memory.weight_decay_in_gradient
+
+
+def apply_weight_decay(memory: Memory | None, key: str, param: torch.Tensor,
+                       grad: torch.Tensor, weight_decay: float) -> None:
+    """Add the weight decay of ``param`` (tensor ``key``) to ``grad``, the averaged gradient,
+    on this worker after the exchange: through :meth:`DGCMemory.decay` (its momentum), or
+    plainly ``grad += wd * param`` with another memory. Nothing of it is sent."""
+    if isinstance(memory, DGCMemory):
+        memory.decay(key, param, grad, weight_decay)
+    else:
+        grad.add_(param.detach().view_as(grad), alpha=weight_decay)
 
 
 def check_no_momentum(optimizer: torch.optim.Optimizer) -> None:
