@@ -12,6 +12,18 @@ Example::
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
     optimizer.synchronize()  # exact average of the replicas, e.g. before saving
+
+Mixed precision: give the scaler to ``distribute`` and use it as usual::
+
+    scaler = torch.amp.GradScaler("cuda")
+    optimizer = gossamer.distribute(model, optimizer, "sgp", scaler=scaler)
+    for x, y in loader:
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # every worker skips the same overflowing steps
+        scaler.update()  # and every scale stays the same
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
 from gossamer.algorithms.buckets import apply_flat
-from gossamer.algorithms.nonfinite import check_policy
+from gossamer.algorithms.nonfinite import agree, all_finite, check_policy
 from gossamer.comm.base import Communicator
 
 
@@ -37,11 +49,26 @@ class DistributedOptimizer:
     the before-forward hook of the next step. Everything else
     (``param_groups``, ``zero_grad``, ...) is the wrapped optimizer's: attach learning-rate
     schedulers to :attr:`optimizer`.
+
+    With a ``torch.amp.GradScaler`` (:attr:`scaler`, given to :func:`distribute`),
+    ``scaler.step(optimizer)`` calls ``step()`` on every worker, also on one whose scaled
+    gradients overflowed: ``step()`` unscales the gradients, the workers agree whether any
+    overflowed (see :mod:`gossamer.algorithms.nonfinite`), and if one did, every worker skips
+    the step as a whole and reports the overflow to its scaler, so that ``scaler.update()``
+    lowers every worker's scale alike.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime) -> None:
+    #: GradScaler.step() then hands the unscaling and the decision to skip to step() (the
+    #: scale and its own found-inf as attributes ``grad_scale`` and ``found_inf``), instead of
+    #: not calling step() where it found an overflow, which would leave the other workers
+    #: waiting in the step's collective.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         self.optimizer = optimizer
         self.runtime = runtime
+        self.scaler = scaler  # the GradScaler that steps this optimizer, if any
 
     @property
     def comm(self) -> Communicator:
@@ -59,20 +86,71 @@ class DistributedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One distributed optimizer step (closures are not supported: one backward per step)."""
+        """One distributed optimizer step (closures are not supported: one backward per step).
+
+        Called by ``scaler.step(optimizer)``, it unscales the gradients first and skips the
+        whole step on every worker if any worker's overflowed (see the class docs).
+        """
         if closure is not None:
             raise ValueError("closure is not supported: call backward() before step()")
         runtime = self.runtime
+        overflow = self._unscale_gradients()  # None unless a GradScaler called
         runtime.comm.compute_step()
-        runtime.check_gradients()
-        runtime.after_backward()
-        if runtime.skip_update:  # a non-finite gradient under nonfinite="skip"
+        runtime.overflow = overflow
+        if overflow is not None and not runtime.agrees_on_gradients:
+            # no collective of this method's carries the agreement here: one of its own
+            found = overflow or not all_finite(self._gradients())
+            runtime.skip_update = bool(agree(runtime.comm, found, self._device()))
+            if not runtime.skip_update:
+                runtime.after_backward()
+        else:
+            runtime.check_gradients()
+            runtime.after_backward()  # the all-reduce methods agree in their reduction
+        if runtime.skip_update:  # a non-finite gradient under nonfinite="skip", or overflow
             runtime.skipped_steps += 1
+            if overflow is not None:  # the scaler skips the step as a whole, every worker alike
+                self._report_overflow()
+                return None
         else:
             self.optimizer.step()
         runtime.after_step()
         runtime.step += 1
         runtime.before_forward()
+
+    def _gradients(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.param_groups for p in group["params"]
+                if p.grad is not None]
+
+    def _device(self) -> torch.device:
+        return next((p.device for group in self.param_groups for p in group["params"]),
+                    torch.device("cpu"))
+
+    @torch.no_grad()
+    def _unscale_gradients(self) -> bool | None:
+        """Under ``GradScaler.step(self)``: unscale the gradients (unless ``scaler.unscale_``
+        did already) and return whether the scaler found them non-finite on this worker;
+        None when no scaler called."""
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
+        if found_inf is None:
+            return None
+        if self.scaler is None:
+            raise ValueError("scaler: a GradScaler steps this optimizer, but distribute() was "
+                             "not given it (scaler=...); the workers could not keep its scale "
+                             "the same")
+        scale = getattr(self, "grad_scale", None)  # None: scaler.unscale_(optimizer) did it
+        if scale is not None:
+            inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ has it
+            for grad in self._gradients():
+                grad.mul_(inverse.to(grad.device))
+        return bool(found_inf.item())
+
+    def _report_overflow(self) -> None:
+        """Make ``scaler.update()`` see the agreed overflow on this worker too. It updates the
+        scale from the found-inf it recorded for this optimizer, which it checked here alone;
+        GradScaler offers no public way to set it."""
+        assert self.scaler is not None
+        for found_inf in self.scaler._found_inf_per_device(self).values():
+            found_inf.fill_(1.0)
 
     def synchronize(self) -> None:
         """Average the replicas exactly (collective: every worker must call it)."""
@@ -104,6 +182,7 @@ def distribute(
     *,
     broadcast: bool = True,
     nonfinite: str = "raise",
+    scaler: torch.amp.GradScaler | None = None,
 ) -> DistributedOptimizer:
     """Wire ``algorithm`` into ``model`` and ``optimizer`` on this worker.
 
@@ -120,6 +199,12 @@ def distribute(
             ``"raise"`` (default: a :class:`~gossamer.algorithms.nonfinite.NonFiniteError`
             naming the rank and step) or ``"skip"`` (the update is skipped); see
             :mod:`gossamer.algorithms.nonfinite` for which algorithms agree on it.
+        scaler: the ``torch.amp.GradScaler`` whose ``step()`` and ``update()`` the training
+            loop calls with this optimizer (default None: none). The workers then agree on
+            every overflow of the scaled gradients and skip the same steps, and their scales
+            stay equal; methods that make no global collective in every step (gossip,
+            asynchronous, local SGD, GossipGraD) make one small all-reduce per step for it.
+            Overflows are skipped whatever ``nonfinite`` says.
 
     Returns:
         A :class:`DistributedOptimizer` to use in place of ``optimizer``.
@@ -135,6 +220,8 @@ def distribute(
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm must be an Algorithm or a name, got {algorithm!r}")
     check_policy(nonfinite)
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
     if comm is None:
         from gossamer.comm.torch_comm import TorchCommunicator
 
@@ -145,7 +232,7 @@ def distribute(
     runtime = algorithm.bind(comm, model, optimizer)
     runtime.nonfinite = nonfinite
     runtime.before_forward()
-    return DistributedOptimizer(optimizer, runtime)
+    return DistributedOptimizer(optimizer, runtime, scaler)
 
 
 @torch.no_grad()

@@ -16,7 +16,8 @@ aggregate correctly.
 Non-finite gradients: a worker that has one sends zeros in its place and sets its bit in flags
 that ride at the end of the step's reduction (one more float32: no message of their own), so
 every worker learns who it was, and all raise or all skip the step
-(:mod:`gossamer.algorithms.nonfinite`); the values are never sent nor compressed.
+(:mod:`gossamer.algorithms.nonfinite`); the values are never sent nor compressed. Under a
+GradScaler the same bits tell every worker of an overflow: all skip, none raises.
 
 Reference: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017).
 """
@@ -125,6 +126,7 @@ class AllReduceRuntime(Runtime):
     """One worker's AllReduce state: the gradient buckets and the step counter."""
 
     replicas_identical: ClassVar[bool] = True
+    agrees_on_gradients: ClassVar[bool] = True  # the flags ride on the gradient reduction
 
     def __init__(
         self, config: AllReduce, comm: Communicator, model: nn.Module,
@@ -176,7 +178,7 @@ class AllReduceRuntime(Runtime):
         ranks = ranks_from_flags(self.flags)
         if not ranks:
             return True
-        if self.nonfinite == "raise":
+        if self.nonfinite == "raise" and self.overflow is None:  # a scaler's overflow skips
             raise self.nonfinite_error("gradient", ranks, self._found)
         self.skip_update = True  # every worker skips: the replicas stay identical
         return False
@@ -189,8 +191,7 @@ class AllReduceRuntime(Runtime):
         grads = [p.grad for p in self.params]
         self.buckets.gather(grads + [None])
         buffers = self.buckets.buffers
-        finite = all_finite(buffers)
-        if not finite:  # send zeros and this rank's bit
+        if self.overflow or not all_finite(buffers):  # send zeros and this rank's bit
             for buffer in buffers:
                 buffer.zero_()
             set_flag(self.flags, self.comm.rank)
@@ -221,7 +222,7 @@ class AllReduceRuntime(Runtime):
         # every worker learns who it was before anything is applied.
         grads = [p.grad for _, p in self.named]
         self.flags.zero_()
-        if not all_finite(grads):
+        if self.overflow or not all_finite(grads):
             self._found = describe_nonfinite([(n, p.grad) for n, p in self.named], "gradient")
             for grad in grads:
                 grad.zero_()

@@ -56,6 +56,10 @@ class Runtime:
     #: True when every worker holds the same parameters after each step (synchronous
     #: gradient averaging), so evaluating any replica evaluates the average.
     replicas_identical: ClassVar[bool] = False
+    #: True when the workers agree on non-finite gradients on a collective the step makes
+    #: anyway (the all-reduce methods); under a GradScaler the others agree with a small
+    #: all-reduce of their own (see gossamer.algorithms.nonfinite).
+    agrees_on_gradients: ClassVar[bool] = False
 
     def __init__(self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.comm = comm
@@ -67,6 +71,9 @@ class Runtime:
         # non-finite values (see gossamer.algorithms.nonfinite)
         self.nonfinite = "raise"  # the policy, "raise" or "skip" (distribute() sets it)
         self.skip_update = False  # this step: the wrapped optimizer must not step
+        # this step under a GradScaler: whether it found the scaled gradients here non-finite
+        # (an overflow, which every worker skips and none raises); None: no scaler
+        self.overflow: bool | None = None
         self.named_parameters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # statistics
         self.synchronizations = 0  # exact averages of the whole world (collectives)

@@ -34,17 +34,34 @@ Who decides depends on how the algorithm communicates:
   although the gradient was finite (a diverging optimizer) raise under either policy, since
   skipping cannot repair the optimizer's state. Local SGD sends its parameters only when it
   averages, so it checks them there: under ``raise`` the error names that step.
+
+**Mixed precision** (a ``torch.amp.GradScaler`` given to ``distribute(..., scaler=)``): a
+non-finite scaled gradient is an overflow, which the scaler handles by skipping the step and
+lowering its scale; it is never raised, whatever the policy. Every worker must skip the same
+step, or the others would wait in the next collective, and every scaler must back off alike.
+So the workers always agree, on one bit per rank: the all-reduce methods on the step's own
+collective, as above (nothing more is sent); the others (gossip, asynchronous, local SGD,
+GossipGraD) with one small all-reduce of their own per step (:func:`agree`), made only under a
+scaler. If any worker overflowed, every worker skips the step as a whole (no optimizer step,
+no gossip, the step counter and the schedules stay where they were) and tells its scaler, so
+that every scale is updated identically. The DDP hooks agree the same way and make every
+worker's reduced bucket NaN, so that every scaler finds the overflow (see
+:mod:`gossamer.hooks`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["POLICIES", "NonFiniteError", "all_finite", "check_policy", "describe_nonfinite",
-           "flag_words", "ranks_from_flags", "set_flag"]
+if TYPE_CHECKING:
+    from gossamer.comm.base import Communicator
+
+__all__ = ["POLICIES", "NonFiniteError", "agree", "all_finite", "check_policy",
+           "describe_nonfinite", "flag_words", "ranks_from_flags", "set_flag"]
 
 POLICIES = ("raise", "skip")
 _BITS = 24  # ranks per float32 flag word: sums of distinct powers of two below 2^24 are exact
@@ -125,3 +142,15 @@ def ranks_from_flags(flags: torch.Tensor) -> list[int]:
         bits = int(value)
         ranks += [word * _BITS + b for b in range(_BITS) if bits >> b & 1]
     return ranks
+
+
+def agree(comm: Communicator, found: bool, device: torch.device | str = "cpu") -> list[int]:
+    """The ranks whose ``found`` is True (non-finite values), from one all-reduce of one bit
+    per rank (a float32 per 24 ranks) on ``device``. Collective: for callers that make no
+    collective of their own at that point, under a GradScaler only (a barrier otherwise
+    absent from gossip and asynchronous methods)."""
+    flags = torch.zeros(flag_words(comm.world_size), dtype=torch.float32, device=device)
+    if found:
+        set_flag(flags, comm.rank)
+    comm.all_reduce(flags, op="sum")
+    return ranks_from_flags(flags)

@@ -21,6 +21,14 @@ gossamer's own DGC does; or build the optimizer without them and give ``momentum
 bucket, dense and never compressed, through the same momentum (every parameter decays every
 step); ``weight_decay_in_gradient=True`` adds it to the gradient before compression instead.
 
+**Mixed precision.** Give the ``torch.amp.GradScaler`` to the state (``scaler=``): the hook
+then divides each bucket by the scale before anything else and multiplies the average by it
+again, so that memories, DGC's momentum and the weight decay see true gradients whatever the
+scale (the casting compressors' wires then carry true gradients too: prefer bfloat16 there);
+and if a worker's bucket holds a NaN or inf (an overflow), every worker's reduced bucket is
+NaN, so that every scaler skips the step and backs off alike, and no memory keeps the value.
+Without a scaler every worker raises instead. See :mod:`gossamer.hooks.agreement`.
+
 Example::
 
     dist.init_process_group("gloo")
@@ -44,6 +52,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gossamer.algorithms.nonfinite import (
+    all_finite,
+    describe_nonfinite,
+    flag_words,
+    ranks_from_flags,
+    set_flag,
+)
 from gossamer.checks import check_positive
 from gossamer.comm.base import Communicator
 from gossamer.compress import (
@@ -59,6 +74,7 @@ from gossamer.compress import (
 )
 from gossamer.compress.dgc import apply_weight_decay, decay_in_gradient
 from gossamer.compress.reducer import CompressedReducer
+from gossamer.hooks.agreement import HookState
 
 __all__ = [
     "CompressionState",
@@ -74,7 +90,7 @@ __all__ = [
 ]
 
 
-class CompressionState:
+class CompressionState(HookState):
     """What :func:`compression_hook` needs: parameter names, the reducer, the step counter.
 
     Construct it on every rank after ``dist.init_process_group`` and before the first
@@ -97,6 +113,8 @@ class CompressionState:
             ``comm`` is None.
         timeout: seconds a collective may wait (default: the backend's, 300 s on gloo, 600 s
             on NCCL); only used when ``comm`` is None.
+        scaler: the ``torch.amp.GradScaler`` of the training loop (default None): see the
+            module docs.
     """
 
     def __init__(
@@ -111,7 +129,9 @@ class CompressionState:
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        super().__init__(scaler)
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
@@ -130,10 +150,6 @@ class CompressionState:
             comm = TorchCommunicator(process_group, timeout=timeout)
         self.reducer = CompressedReducer(comm, compressor, memory, aggregation=aggregation,
                                          node_size=node_size)
-        # internal state
-        self.step = 0  # optimizer steps (iterations whose last bucket was reduced)
-        # statistics
-        self.buckets = 0  # buckets reduced, all steps together
 
     @property
     def comm(self) -> Communicator:
@@ -142,12 +158,10 @@ class CompressionState:
     def state_dict(self) -> dict[str, Any]:
         """The step, the memory and compressor state, the statistics (never the process
         group)."""
-        return {"step": self.step, "buckets": self.buckets,
-                "compression": self.reducer.state_dict()}
+        return {**self.steps_state(), "compression": self.reducer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.buckets = int(state["buckets"])
+        self.load_steps_state(state)
         self.reducer.load_state_dict(state["compression"])
 
 
@@ -161,13 +175,32 @@ def compression_hook(
     """
     buffer = bucket.buffer()
     grads = bucket.gradients()  # views of buffer
+    scale = state.scale()
+    if scale != 1.0:  # memories and weight decay see true gradients, whatever the scale
+        for g in grads:
+            g.div_(scale)
     named = []
     for p, g in zip(bucket.parameters(), grads, strict=True):
         decay = state.weight_decay.get(id(p))
         if decay and decay_in_gradient(state.reducer.memory):
             g.add_(p.detach(), alpha=decay)
         named.append((state.names[id(p)], g))
-    state.reducer.reduce(named, state.step)
+    # One bit per rank rides on the bucket's first collective: every worker learns who had
+    # non-finite values, and those compress zeros, so that no memory ever holds the value.
+    # (in the values' dtype where sums of bits stay exact, so that they share its message)
+    dtype = buffer.dtype if buffer.dtype in (torch.float32, torch.float64) else torch.float32
+    flags = torch.zeros(flag_words(state.comm.world_size), dtype=dtype, device=buffer.device)
+    found = None
+    if not all_finite(grads):
+        found = None if state.scaling else describe_nonfinite(named, "gradient")
+        for g in grads:
+            g.zero_()
+        set_flag(flags, state.comm.rank)
+    state.reducer.reduce(named, state.step, flags=flags)
+    ranks = ranks_from_flags(flags)
+    if ranks:
+        state.nonfinite(buffer, ranks, found)  # NaN on every worker (or raises)
+        return state.bucket_done(bucket)
     if not decay_in_gradient(state.reducer.memory):  # each worker's own, dense, never sent
         for p, (name, g) in zip(bucket.parameters(), named, strict=True):
             decay = state.weight_decay.get(id(p))
@@ -176,12 +209,9 @@ def compression_hook(
     storage = buffer.untyped_storage().data_ptr()
     if any(g.untyped_storage().data_ptr() != storage for g in grads):  # copies: write back
         torch.cat([g.reshape(-1) for g in grads], out=buffer)
-    state.buckets += 1
-    if bucket.is_last():
-        state.step += 1
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+    if scale != 1.0:
+        buffer.mul_(scale)  # scaled again, as the scaler's unscale_ expects
+    return state.bucket_done(bucket)
 
 
 # DDP checks the hook's annotations against the classes themselves, and this module's are
@@ -214,7 +244,7 @@ class DGCState(CompressionState):
         clip_norm: local clipping threshold of each tensor's gradient norm on each worker
             (default None).
         node_size: hierarchical aggregation (default 1).
-        comm, process_group, timeout: as :class:`CompressionState`.
+        comm, process_group, timeout, scaler: as :class:`CompressionState`.
     """
 
     def __init__(
@@ -238,6 +268,7 @@ class DGCState(CompressionState):
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         compressor = DGCCompressor(ratio=ratio, sample_ratio=sample_ratio,
                                    warmup_steps=warmup_steps, warmup_stages=warmup_stages,
@@ -252,7 +283,8 @@ class DGCState(CompressionState):
             momentum, nesterov, decays = take_over_momentum(optimizer, model.parameters())
             memory = dataclasses.replace(memory, momentum=momentum, nesterov=nesterov)
         super().__init__(model, compressor, memory, node_size=node_size, weight_decay=decays,
-                         comm=comm, process_group=process_group, timeout=timeout)
+                         comm=comm, process_group=process_group, timeout=timeout,
+                         scaler=scaler)
 
 
 class TopKState(CompressionState):
@@ -263,16 +295,18 @@ class TopKState(CompressionState):
         ratio: fraction of each tensor sent (default 0.01).
         error_feedback: keep what was not sent (default True).
         fp16_values: send values as float16 (default False).
-        comm, process_group, timeout: as :class:`CompressionState`.
+        comm, process_group, timeout, scaler: as :class:`CompressionState`.
     """
 
     def __init__(self, model: nn.Module, *, ratio: float = 0.01, error_feedback: bool = True,
                  fp16_values: bool = False, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         super().__init__(model, TopK(ratio=ratio, fp16_values=fp16_values),
                          ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout)
+                         process_group=process_group, timeout=timeout,
+                         scaler=scaler)
 
 
 class QSGDState(CompressionState):
@@ -284,16 +318,18 @@ class QSGDState(CompressionState):
         bucket_size: elements per norm (default 512).
         error_feedback: keep the quantization error (default False).
         seed: seeds the rounding (default 0).
-        comm, process_group, timeout: as :class:`CompressionState`.
+        comm, process_group, timeout, scaler: as :class:`CompressionState`.
     """
 
     def __init__(self, model: nn.Module, *, levels: int = 127, bucket_size: int = 512,
                  error_feedback: bool = False, seed: int = 0, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         super().__init__(model, QSGD(levels=levels, bucket_size=bucket_size, seed=seed),
                          ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout)
+                         process_group=process_group, timeout=timeout,
+                         scaler=scaler)
 
 
 class PowerSGDState(CompressionState):
@@ -305,13 +341,15 @@ class PowerSGDState(CompressionState):
         warm_start: reuse the previous step's Q (default True).
         error_feedback: keep what the approximation missed (default True).
         seed: seeds the initial Q (default 0).
-        comm, process_group, timeout: as :class:`CompressionState`.
+        comm, process_group, timeout, scaler: as :class:`CompressionState`.
     """
 
     def __init__(self, model: nn.Module, *, rank: int = 2, warm_start: bool = True,
                  error_feedback: bool = True, seed: int = 0, comm: Communicator | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
         super().__init__(model, PowerSGD(rank=rank, warm_start=warm_start, seed=seed),
                          ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout)
+                         process_group=process_group, timeout=timeout,
+                         scaler=scaler)

@@ -13,6 +13,13 @@ iteration's last bucket (``GradBucket.is_last()``), after that bucket's exchange
 optimizer step, never once per bucket. Under ``ddp.no_sync()`` (gradient accumulation) DDP
 does not call the hook, so only the synchronising backward of each optimizer step counts.
 
+**Mixed precision.** Give the ``torch.amp.GradScaler`` to the state (``scaler=``): every
+worker then learns, from one small all-reduce per bucket (the exchange reaches one partner
+only), whether any worker's bucket holds a NaN or inf (an overflow); if one does, no bucket is
+exchanged, every worker's is NaN, so that every scaler skips the step and backs off alike,
+and ``state.step`` does not advance. Without a scaler the hook makes no check (as DDP's own
+all-reduce, it passes non-finite values on). See :mod:`gossamer.hooks.agreement`.
+
 Reference: Daily et al., "GossipGraD: Scalable Deep Learning using Gossip Communication based
 Asynchronous Gradient Descent" (2018); torchdistx's GossipGraD comm hook.
 
@@ -38,12 +45,14 @@ from torch import nn
 
 from gossamer.algorithms.base import average_tensors, model_tensors
 from gossamer.algorithms.gossipgrad import GradientGossip
+from gossamer.algorithms.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
+from gossamer.hooks.agreement import HookState
 
 __all__ = ["GossipGraDState", "gossipgrad_hook"]
 
 
-class GossipGraDState:
+class GossipGraDState(HookState):
     """What :func:`gossipgrad_hook` needs: the options, the communicator and the step counter.
 
     Construct it on every rank, after ``dist.init_process_group`` (it builds the local group's
@@ -62,6 +71,8 @@ class GossipGraDState:
             ``comm`` is None.
         timeout: seconds an exchange may wait for a peer (default: the backend's, 300 s on
             gloo, 600 s on NCCL); only used when ``comm`` is None.
+        scaler: the ``torch.amp.GradScaler`` of the training loop (default None): see the
+            module docs.
     """
 
     def __init__(
@@ -74,7 +85,9 @@ class GossipGraDState:
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        super().__init__(scaler)
         if comm is None:
             from gossamer.comm.torch_comm import TorchCommunicator
 
@@ -82,10 +95,6 @@ class GossipGraDState:
         # hyperparameters (the checks are GradientGossip's)
         self.gossip = GradientGossip(comm, topology=topology, local_group_size=local_group_size,
                                      seed=seed, shuffle=shuffle)
-        # internal state
-        self.step = 0  # optimizer steps (iterations whose last bucket was gossiped)
-        # statistics
-        self.buckets = 0  # buckets gossiped, all steps together
 
     @property
     def comm(self) -> Communicator:
@@ -94,11 +103,10 @@ class GossipGraDState:
     def state_dict(self) -> dict[str, Any]:
         """The step counter and statistics (the schedule is a function of the step alone;
         never the communicator or process groups)."""
-        return {"step": self.step, "buckets": self.buckets}
+        return self.steps_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.buckets = int(state["buckets"])
+        self.load_steps_state(state)
 
     @torch.no_grad()
     def average_parameters(self, model: nn.Module) -> None:
@@ -116,10 +124,10 @@ def gossipgrad_hook(
     DDP copies the combined gradient into ``param.grad`` before the optimizer steps.
     """
     buffer = bucket.buffer()
+    if state.scaling:  # every worker learns of an overflow anywhere: one bit per rank
+        ranks = agree(state.comm, not all_finite([buffer]), buffer.device)
+        if ranks:
+            state.nonfinite(buffer, ranks, None)  # NaN on every worker, nothing exchanged
+            return state.bucket_done(bucket)
     state.gossip.combine([buffer], state.step)
-    state.buckets += 1
-    if bucket.is_last():
-        state.step += 1
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+    return state.bucket_done(bucket)

@@ -1,0 +1,109 @@
+"""What the DDP hook states share: the step counter, and non-finite gradients under a
+GradScaler.
+
+DDP's own all-reduce spreads a NaN or inf to every worker, so that a ``torch.amp.GradScaler``
+finds the overflow on every worker and every worker skips the step and lowers its scale
+alike. A hook that compresses or gossips must keep that property by itself: it learns that a
+scaler is in use from its state's ``scaler`` option, and then
+
+- every worker learns which workers had non-finite values in a bucket (one bit per rank: on
+  the bucket's first collective for the compression hook, nothing more sent; a small
+  all-reduce of its own for GossipGraD's hook, whose exchange reaches one partner only);
+- if any had, every worker's reduced bucket is NaN, so that every scaler finds the overflow;
+  a worker with non-finite values compresses zeros in their place, so that no error-feedback
+  residual or DGC momentum holds them;
+- the iteration is not an optimizer step: ``state.step`` does not advance (so the partner
+  and warm-up schedules stay the same on every worker) and ``state.skipped_steps`` counts it.
+
+Without a scaler the compression hook raises a
+:class:`~gossamer.algorithms.nonfinite.NonFiniteError` on every worker, naming the workers
+with non-finite gradients (they agree on the same bits, so none waits); GossipGraD's hook does
+not check (as DDP's all-reduce, it passes the values on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossamer.algorithms.nonfinite import NonFiniteError
+from gossamer.comm.base import Communicator
+
+__all__ = ["HookState"]
+
+
+class HookState:
+    """The step counter of a DDP hook's state, its statistics and its GradScaler (if any).
+
+    Args:
+        scaler: the ``torch.amp.GradScaler`` the training loop steps the optimizer with
+            (default None: none); see the module docs.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
+        # hyperparameters
+        self.scaler = scaler
+        # internal state
+        self.step = 0  # optimizer steps (iterations whose last bucket was reduced, no overflow)
+        self.overflow = False  # this iteration: a bucket overflowed (the scaler skips it)
+        # statistics
+        self.buckets = 0  # buckets reduced, all steps together
+        self.skipped_steps = 0  # iterations that overflowed under the scaler
+
+    @property
+    def comm(self) -> Communicator:
+        """The communicator of the hook's traffic."""
+        raise NotImplementedError
+
+    @property
+    def scaling(self) -> bool:
+        """Whether a GradScaler (enabled) steps the optimizer."""
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def scale(self) -> float:
+        """The scaler's current scale (1.0 without an enabled scaler)."""
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
+    def nonfinite(self, buffer: torch.Tensor, ranks: Sequence[int], found: str | None) -> None:
+        """Every worker learned that ``ranks`` had non-finite values in this bucket (``found``:
+        which, on those ranks): under a scaler, make ``buffer`` NaN on every worker, so that
+        every scaler finds the overflow; without one, raise on every worker."""
+        if self.scaling:
+            buffer.fill_(math.nan)
+            self.overflow = True
+            return
+        rank, step = self.comm.rank, self.step + 1
+        where = f" in {found}" if found else ""
+        raise NonFiniteError(
+            f"rank {rank}: non-finite gradients at step {step} on rank(s) "
+            f"{', '.join(map(str, ranks))}{where}; nothing non-finite was sent or kept in a "
+            "memory. Under a GradScaler give it to the hook's state (scaler=...)",
+            rank=rank, step=step, ranks=ranks)
+
+    def bucket_done(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Count ``bucket``, advance the step after the iteration's last one (unless it
+        overflowed), and return the completed future DDP waits for."""
+        self.buckets += 1
+        if bucket.is_last():
+            if self.overflow:
+                self.skipped_steps += 1
+            else:
+                self.step += 1
+            self.overflow = False
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    def steps_state(self) -> dict[str, Any]:
+        return {"step": self.step, "buckets": self.buckets, "skipped_steps": self.skipped_steps}
+
+    def load_steps_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.buckets = int(state["buckets"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
