@@ -184,8 +184,12 @@ def test_a_scaler_that_distribute_was_not_given_is_refused() -> None:
                                         "allreduce", comm)
         scaler = _scaler()
         scaler.scale(_loss(model, 0, 0)).backward()
-        with pytest.raises(ValueError, match="^scaler: .* not given it"):
+        with pytest.raises(ValueError, match="^scaler: a GradScaler that distribute"):
             scaler.step(optimizer)
+        given = gossamer.distribute(model, optimizer.optimizer, "allreduce", comm,
+                                    scaler=_scaler())
+        with pytest.raises(ValueError, match="^scaler: a GradScaler that distribute"):
+            scaler.step(given)  # another scaler than the one given
         with pytest.raises(ValueError, match="^scaler must be a torch.amp.GradScaler"):
             gossamer.distribute(model, optimizer.optimizer, "allreduce", comm, scaler="yes")
 

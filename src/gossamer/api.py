@@ -133,10 +133,12 @@ class DistributedOptimizer:
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
         if found_inf is None:
             return None
-        if self.scaler is None:
-            raise ValueError("scaler: a GradScaler steps this optimizer, but distribute() was "
-                             "not given it (scaler=...); the workers could not keep its scale "
-                             "the same")
+        # the scaler given to distribute() has recorded its check of this optimizer's
+        # gradients, unless another one (or one not given) calls
+        if self.scaler is None or not self.scaler._found_inf_per_device(self):
+            raise ValueError("scaler: a GradScaler that distribute() was not given "
+                             "(scaler=...) steps this optimizer; the workers could not keep "
+                             "its scale the same")
         scale = getattr(self, "grad_scale", None)  # None: scaler.unscale_(optimizer) did it
         if scale is not None:
             inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ has it
@@ -148,7 +150,6 @@ class DistributedOptimizer:
         """Make ``scaler.update()`` see the agreed overflow on this worker too. It updates the
         scale from the found-inf it recorded for this optimizer, which it checked here alone;
         GradScaler offers no public way to set it."""
-        assert self.scaler is not None
         for found_inf in self.scaler._found_inf_per_device(self).values():
             found_inf.fill_(1.0)
 
