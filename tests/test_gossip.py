@@ -195,9 +195,10 @@ def _timeline(comm, steps: int, delay: float = 0.0):
             time.sleep(delay)
         opt.step()
         clocks.append(comm.clock())
+    averagings = opt.runtime.averagings  # while training, not when settling at the end
     opt.finish()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return clocks, params, opt.runtime.averagings
+    return clocks, params, averagings
 
 
 def _adpsgd_world():
@@ -306,7 +307,8 @@ def gloo_adpsgd(steps: int):
 
     comm = TorchCommunicator.from_env(timeout=60)
     try:
-        return _timeline(comm, steps, delay=0.02 if comm.rank == 1 else 0.0)  # 1 straggles
+        # 10 ms of work per step, rank 1 straggles with 30 ms
+        return _timeline(comm, steps, delay=0.03 if comm.rank == 1 else 0.01)
     finally:
         comm.close()
 
@@ -316,10 +318,12 @@ def test_adpsgd_runs_asynchronously_on_gloo():
     from gossamer.testing import spawn_gloo
 
     results = spawn_gloo(gloo_adpsgd, 4, args=(30,), timeout=180)
-    assert all(a > 0 for _, _, a in results)
+    # the active workers average while they train (a reply is there a step or two after its
+    # request), not only when the run settles at the end
+    assert all(results[rank][2] >= 5 for rank in (0, 2)), [a for _, _, a in results]
     for _, params, _ in results[1:]:
         assert torch.allclose(params, results[0][1], atol=1e-6)  # the final exact average
-    # rank 0 (fast, active) did not wait for rank 1's 20 ms per step
+    # rank 0 (fast, active) did not wait for rank 1's 30 ms per step
     fast_duration = results[0][0][-1] - results[0][0][0]
     slow_duration = results[1][0][-1] - results[1][0][0]
     assert fast_duration < slow_duration / 2

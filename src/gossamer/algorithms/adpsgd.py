@@ -138,9 +138,9 @@ class ADPSGDRuntime(GossipRuntime):
             peer = self.neighbors[self.next_peer]
             self.next_peer = (self.next_peer + 1) % len(self.neighbors)
             if peer not in self.outstanding:  # one request per peer at a time
-                sent = x.clone()
-                self.sending.append(self.comm.exchange({peer: sent}, []))
+                sent = x.clone()  # the reply's receive first: the reply never waits for it
                 self.outstanding[peer] = (sent, self.comm.exchange({}, [peer], recv_like=sent))
+                self.sending.append(self.comm.exchange({peer: sent}, []))
                 self.requests[peer] += 1
                 self._record("request", peer, self.requests[peer])
                 return
@@ -153,11 +153,11 @@ class ADPSGDRuntime(GossipRuntime):
             while (self.requests[peer] < until[peer]) if block else self.posted[peer].ready():
                 request = self.posted[peer].wait()[peer]
                 x = (x + request) / 2
+                self.posted[peer] = self.comm.exchange({}, [peer], recv_like=x)  # the next
                 self.sending.append(self.comm.exchange({peer: x}, []))  # x is not modified
                 self.averagings += 1
                 self.requests[peer] += 1
                 self._record("answer", peer, self.requests[peer])
-                self.posted[peer] = self.comm.exchange({}, [peer], recv_like=x)
         return x
 
     @torch.no_grad()
