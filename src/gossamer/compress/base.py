@@ -13,6 +13,10 @@ lives in private containers, keyed by the tensor's name, and is saved by ``state
 :meth:`Compressor.for_worker` and :meth:`Memory.fresh` give each worker its own empty copy,
 so that one configuration can be shared by every simulated worker.
 
+Values are computed, kept and sent in :func:`value_dtype` of the gradient: float32, or float64
+for a float64 model, so that a float64 model keeps its precision (float16 values and the fp16
+and bf16 compressors narrow them on purpose).
+
 Randomness (random-k's indices, QSGD's rounding, PowerSGD's start, DGC's sample) is drawn from
 a ``torch.Generator`` seeded from ``(seed, tensor name, step)``: it does not depend on the order
 in which tensors are compressed, so DDP's buckets and gossamer's give the same result.
@@ -32,6 +36,12 @@ from gossamer.compress.payloads import Payload
 
 Aggregation = Literal["allreduce", "allgather"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("allreduce", "allgather")
+
+
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a gradient of ``dtype`` is compressed, remembered and sent: float32
+    for float32, float16 and bfloat16 gradients, float64 for float64 ones."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def check_ratio(name: str, value: object) -> None:

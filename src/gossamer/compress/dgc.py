@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from gossamer.checks import check_int, check_positive
-from gossamer.compress.base import Aggregation, Compressor, Memory, check_ratio
+from gossamer.compress.base import Aggregation, Compressor, Memory, check_ratio, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 from gossamer.compress.sparse import SparseCompressor, check_numel, selected_count, sparse_values
 
@@ -137,7 +137,8 @@ class DGCCompressor(SparseCompressor):
             epochs.
         warmup_stages: stages of the warm-up, the density falling exponentially from 25% to
             ``ratio`` (default 4).
-        fp16_values: send values as float16 (default True, as the paper); False: float32.
+        fp16_values: send values as float16 (default True, an option of the authors' code);
+            False: float32 (float64 for a float64 model).
         max_adaptations: times the threshold may be lowered along the sample before the
             block-maximum fallback (default 3).
         seed: seeds the sample offsets (default 0).
@@ -183,8 +184,8 @@ class DGCCompressor(SparseCompressor):
     def compress(self, tensor: torch.Tensor, key: str) -> SparsePayload:
         check_numel(tensor)
         flat = tensor.detach().reshape(-1)
-        if flat.dtype != torch.float32:  # the workspace is float32 (DGCMemory's v always is)
-            flat = flat.to(torch.float32)
+        if flat.dtype != value_dtype(flat.dtype):
+            flat = flat.to(value_dtype(flat.dtype))
         numel = flat.numel()
         density = self.density()
         k = selected_count(density, numel)
@@ -193,8 +194,12 @@ class DGCCompressor(SparseCompressor):
         if 4 * samples >= numel or numel < 4 * BLOCK * SAMPLE_RUN:
             indices, values = self._exact(flat, k)
             selection = Selection(k, indices.numel(), "exact", 0)
-        else:
+        elif flat.dtype == torch.float32:
             indices, values, selection = self._threshold(flat, k, density, samples, key)
+        else:  # the workspace is float32: select there, send the values at full precision
+            indices, _, selection = self._threshold(flat.to(torch.float32), k, density,
+                                                    samples, key)
+            values = flat.index_select(0, indices)
         self._last[:] = [selection]
         return SparsePayload(indices.to(torch.int32), sparse_values(values, self.fp16_values),
                              tensor.shape)
@@ -339,8 +344,8 @@ class DGCMemory(Memory):
                 grad = grad * (self.clip_norm / (norm + 1e-6))
         u = self._u.get(key)
         if u is None or u.shape != grad.shape:
-            u = self._u[key] = torch.zeros_like(grad, dtype=torch.float32)
-            self._v[key] = torch.zeros_like(grad, dtype=torch.float32)
+            u = self._u[key] = torch.zeros_like(grad, dtype=value_dtype(grad.dtype))
+            self._v[key] = torch.zeros_like(grad, dtype=value_dtype(grad.dtype))
         v = self._v[key]
         m = self.momentum or 0.0
         if self.nesterov:

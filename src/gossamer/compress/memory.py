@@ -8,7 +8,8 @@ and other Gradient Compression Schemes" (2019). With ``e`` the residual of a ten
     sent = decompress(compress(compensated))
     e = compensated - sent
 
-so that ``compensated == sent + e`` holds after every step, up to one float32 rounding.
+so that ``compensated == sent + e`` holds after every step, up to one rounding of ``e`` (kept in
+float32, or float64 for a float64 model).
 
 Example::
 
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gossamer.compress.base import Compressor, Memory
+from gossamer.compress.base import Compressor, Memory, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 
 
@@ -41,7 +42,7 @@ class ErrorFeedback(Memory):
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         residual = self._residuals.get(key)
         if residual is None or residual.shape != grad.shape:
-            residual = grad.detach().to(torch.float32, copy=True)
+            residual = grad.detach().to(value_dtype(grad.dtype), copy=True)
             self._residuals[key] = residual
             return residual
         return residual.add_(grad.detach())

@@ -117,7 +117,7 @@ class SparsePayload(Payload):
     """Selected elements: int32 positions in the flattened tensor and their values."""
 
     indices: torch.Tensor  # int32
-    values: torch.Tensor  # float16 or float32
+    values: torch.Tensor  # float16, float32 or float64
     shape: torch.Size
 
     @property
@@ -145,9 +145,10 @@ class SharedIndexPayload(_ValuesPayload):
 
 @dataclass(frozen=True)
 class QuantizedPayload(Payload):
-    """QSGD: one float32 norm per bucket of elements and a packed signed level per element."""
+    """QSGD: one norm per bucket of elements (float32, float64 for a float64 tensor) and a
+    packed signed level per element."""
 
-    norms: torch.Tensor  # float32, one per bucket
+    norms: torch.Tensor  # one per bucket
     codes: torch.Tensor  # uint8, levels + s packed at ``bits`` bits each
     bits: int
     numel: int
@@ -161,7 +162,7 @@ class QuantizedPayload(Payload):
         return _padded([self.norms, self.codes])
 
     def from_bytes(self, data: torch.Tensor) -> QuantizedPayload:
-        norms, offset = _take(data, 0, self.norms.numel(), torch.float32)
+        norms, offset = _take(data, 0, self.norms.numel(), self.norms.dtype)
         codes, _ = _take(data, offset, self.codes.numel(), torch.uint8)
         return replace(self, norms=norms, codes=codes)
 

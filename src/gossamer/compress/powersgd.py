@@ -27,13 +27,14 @@ from typing import Any, ClassVar
 import torch
 
 from gossamer.checks import check_int
-from gossamer.compress.base import Aggregation, Compressor
+from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import LowRankPayload, Payload
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a float32 (first dimension) x (the rest) matrix."""
-    return tensor.detach().reshape(tensor.shape[0], -1).to(torch.float32)
+    """``tensor`` as a (first dimension) x (the rest) matrix, in float32 (float64 for a float64
+    tensor)."""
+    return tensor.detach().reshape(tensor.shape[0], -1).to(value_dtype(tensor.dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,7 +81,7 @@ class PowerSGD(Compressor):
         q = self._q.get(key) if self.warm_start else None
         if q is None or q.shape != (m, r):
             generator = self.generator(key, torch.device("cpu"))
-            q = torch.randn(m, r, generator=generator).to(matrix.device)
+            q = torch.randn(m, r, generator=generator).to(matrix.device, matrix.dtype)
         self._pending[key] = [matrix, None]
         # (Q^T M^T)^T: BLAS is much faster this way round than M Q for a thin Q
         return LowRankPayload((q.T @ matrix.T).T.contiguous(), tensor.shape)

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from gossamer.checks import check_int
-from gossamer.compress.base import Aggregation, Compressor
+from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import Payload, QuantizedPayload
 
 MAX_LEVELS = 2**15 - 1  # 2 s + 1 values must fit in 16 bits
@@ -98,10 +98,10 @@ class QSGD(Compressor):
         return code_bits(self.levels)
 
     def compress(self, tensor: torch.Tensor, key: str) -> QuantizedPayload:
-        flat = tensor.detach().reshape(-1).to(torch.float32)
+        flat = tensor.detach().reshape(-1).to(value_dtype(tensor.dtype))
         numel, d, s = flat.numel(), self.bucket_size, self.levels
         buckets = max(1, math.ceil(numel / d))
-        padded = torch.zeros(buckets * d, dtype=torch.float32, device=flat.device)
+        padded = torch.zeros(buckets * d, dtype=flat.dtype, device=flat.device)
         padded[:numel] = flat
         rows = padded.view(buckets, d)
         norms = torch.linalg.vector_norm(rows, dim=1)
@@ -109,7 +109,7 @@ class QSGD(Compressor):
         level = rows.abs().mul_(scale.unsqueeze(1))  # in [0, s]
         floor = level.floor()
         generator = self.generator(key, torch.device("cpu"), per_worker=True)
-        noise = torch.rand(level.shape, generator=generator).to(flat.device)
+        noise = torch.rand(level.shape, generator=generator).to(flat.device, flat.dtype)
         floor += (noise < level - floor).to(floor.dtype)  # round up with prob. frac
         codes = (floor.clamp_(max=s) * rows.sign()).reshape(-1)[:numel] + s  # in [0, 2 s]
         return QuantizedPayload(norms, pack_codes(codes.to(torch.int32), self.bits),
@@ -118,9 +118,9 @@ class QSGD(Compressor):
     def decompress(self, payload: Payload, key: str) -> torch.Tensor:
         assert isinstance(payload, QuantizedPayload)
         numel, d, s = payload.numel, self.bucket_size, self.levels
-        codes = unpack_codes(payload.codes, payload.bits, numel).to(torch.float32) - s
+        codes = unpack_codes(payload.codes, payload.bits, numel).to(payload.norms.dtype) - s
         buckets = payload.norms.numel()
-        padded = torch.zeros(buckets * d, dtype=torch.float32, device=codes.device)
+        padded = torch.zeros(buckets * d, dtype=codes.dtype, device=codes.device)
         padded[:numel] = codes
         values = padded.view(buckets, d).mul_((payload.norms / s).unsqueeze(1))
         return values.reshape(-1)[:numel].view(payload.shape).clone()

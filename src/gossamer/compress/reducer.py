@@ -10,8 +10,8 @@ thing. For each bucket of tensors it makes one collective per round:
   selects nothing sends only the header); each worker decodes and adds everyone's.
 
 Tensors the compressor does not take (DGC's and PowerSGD's biases...) are all-reduced dense in
-float32. Every byte goes through the communicator, so its ``stats`` count the compressed
-bytes.
+float32 (float64 for a float64 model, see :func:`~gossamer.compress.base.value_dtype`). Every
+byte goes through the communicator, so its ``stats`` count the compressed bytes.
 
 Hierarchy (``node_size > 1``): the gradients are first averaged dense inside each node (groups
 of ``node_size`` consecutive ranks, where bandwidth is plentiful), then every worker exchanges
@@ -30,7 +30,7 @@ import torch
 
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
-from gossamer.compress.base import Compressor, Memory, resolve_aggregation
+from gossamer.compress.base import Compressor, Memory, resolve_aggregation, value_dtype
 from gossamer.compress.cast import NoCompression
 from gossamer.compress.payloads import DensePayload, Payload, pack_bytes, unpack_bytes
 
@@ -157,7 +157,8 @@ class CompressedReducer:
                 if self.memory is not None:
                     self.memory.update(key, c, DensePayload(c.reshape(-1), c.shape), self._dense)
                 g.copy_(mean.view_as(g))
-            self.dense_bytes += sum(4 * c.numel() for _, _, c in dense)
+            self.dense_bytes += sum(value_dtype(c.dtype).itemsize * c.numel()
+                                    for _, _, c in dense)
         targets = {key: g for key, g, _ in sparse}
         for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
             if self.aggregation == "allreduce":
@@ -212,7 +213,8 @@ class CompressedReducer:
             rider.copy_(sum(data[-tail:].clone().view(rider.dtype) for data in gathered))
             gathered = [data[:-tail] for data in gathered]
         self._update(run, payloads)
-        outs = [torch.zeros(c.numel(), dtype=torch.float32, device=c.device) for _, c in run]
+        outs = [torch.zeros(c.numel(), dtype=value_dtype(c.dtype), device=c.device)
+                for _, c in run]
         for rank, data in enumerate(gathered):
             theirs = payloads if rank == cross.rank else unpack_bytes(data, payloads)
             for payload, (key, _), out in zip(theirs, run, outs, strict=True):
@@ -226,12 +228,13 @@ class CompressedReducer:
 
     def _dense_mean(self, comm: Communicator, tensors: Sequence[torch.Tensor]
                     ) -> list[torch.Tensor]:
-        """The float32 mean over ``comm`` of each tensor, one all-reduce per bucket."""
+        """The mean over ``comm`` of each tensor, in float32 (float64 for float64 tensors), one
+        all-reduce per bucket."""
         out: list[torch.Tensor] = []
         items = [(str(i), t) for i, t in enumerate(tensors)]
         for run in buckets(items, self.bucket_bytes):
             rider = self._take_rider(comm)
-            flats = [t.detach().reshape(-1).to(torch.float32) for _, t in run]
+            flats = [t.detach().reshape(-1).to(value_dtype(t.dtype)) for _, t in run]
             sums = _sum_flat(comm, flats + ([rider] if rider is not None else []))
             if rider is not None:
                 rider.copy_(sums.pop())

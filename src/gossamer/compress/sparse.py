@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from gossamer.checks import check_int
-from gossamer.compress.base import Aggregation, Compressor, check_ratio
+from gossamer.compress.base import Aggregation, Compressor, check_ratio, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 
 MAX_NUMEL = 2**31 - 1  # int32 positions on the wire
@@ -43,9 +43,10 @@ def check_numel(tensor: torch.Tensor) -> None:
 
 
 def sparse_values(values: torch.Tensor, fp16: bool) -> torch.Tensor:
-    """The values as they travel: float16 (clamped to its range) or float32."""
+    """The values as they travel: float16 (clamped to its range), or else float32 (float64 for
+    float64 values)."""
     if not fp16:
-        return values.to(torch.float32)
+        return values.to(value_dtype(values.dtype))
     limit = torch.finfo(torch.float16).max
     return values.clamp(-limit, limit).to(torch.float16)
 
@@ -55,7 +56,7 @@ class SparseCompressor(Compressor):
 
     def decompress(self, payload: Payload, key: str) -> torch.Tensor:
         assert isinstance(payload, (SparsePayload, SharedIndexPayload))
-        out = torch.zeros(math.prod(payload.shape), dtype=torch.float32,
+        out = torch.zeros(math.prod(payload.shape), dtype=value_dtype(payload.values.dtype),
                           device=payload.values.device)
         self.decompress_add(payload, key, out)
         return out.view(payload.shape)
@@ -74,7 +75,8 @@ class TopK(SparseCompressor):
     Args:
         ratio: fraction of the elements sent, in (0, 1] (default 0.01). Lower: more
             compression, more delay in the error-feedback memory.
-        fp16_values: send the values as float16 (default False: float32).
+        fp16_values: send the values as float16 (default False: float32, or float64 for a
+            float64 tensor).
     """
 
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
@@ -126,5 +128,5 @@ class RandomK(SparseCompressor):
         else:
             indices = torch.unique(torch.randint(numel, (k,), generator=generator))
         indices = indices.to(flat.device)
-        return SharedIndexPayload(indices, flat.index_select(0, indices).to(torch.float32),
-                                  tensor.shape)
+        return SharedIndexPayload(indices, flat.index_select(0, indices).to(
+            value_dtype(flat.dtype)), tensor.shape)
