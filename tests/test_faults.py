@@ -325,8 +325,9 @@ def _check_nothing_escaped(results: list[dict], algorithm: str, policy: str) -> 
         else:  # decided locally: only rank 1 skipped
             assert [r["skipped"] for r in results] == [0, 1] + [0] * (len(results) - 2)
         return
-    # local SGD sends (and so checks) its parameters only when it averages: steps 1, 5, ...
-    step = 5 if algorithm == "localsgd" else 3
+    # local SGD and QSR send (and so check) their parameters only when they average: after
+    # steps 4, 8, ... (H = 4) and 2, 4, ... (QSR's H_base = 2)
+    step = 4 if algorithm in ("localsgd", "qsr") else 3
     assert f"NonFiniteError: rank 1: non-finite values at step {step}" in results[1]["error"]
     assert "NaN of" in results[1]["error"]  # which tensor, how many values
     for rank, seen in enumerate(results):

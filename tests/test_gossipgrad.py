@@ -407,12 +407,12 @@ def test_train_reaches_85_percent_on_digits():
 def test_hook_state_dict_round_trip():
     def worker(comm):
         state = GossipGraDState(comm=comm, local_group_size=2)
-        state.step, state.buckets = 7, 21
+        state.step, state.buckets, state.skipped_steps = 7, 21, 2
         other = GossipGraDState(comm=comm, local_group_size=2)
         other.load_state_dict(state.state_dict())
         return other.state_dict()
 
-    assert SimWorld(4).run(worker) == [{"step": 7, "buckets": 21}] * 4
+    assert SimWorld(4).run(worker) == [{"step": 7, "buckets": 21, "skipped_steps": 2}] * 4
 
 
 # ---------------------------------------------------------------------------- gloo
