@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import traceback
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -128,7 +126,6 @@ CASES = [
     Case("dgc", DGC(ratio=0.1), UNSENT_FP16),
     Case("fp16", FP16AllReduce(), FP16_SUM),
 ]
-BY_ID = {case.id: case for case in CASES}
 
 
 def test_every_registered_algorithm_has_a_conservation_case():
@@ -209,9 +206,10 @@ def unsent(runtime) -> torch.Tensor | None:
 
 
 def run_worker(comm, case: Case, steps: int, lr: float, kind: str,
-               delay: float = 0.0) -> Outcome:
-    """``steps`` steps of the constant gradient, then ``finish()``; ``delay``: real seconds
-    of extra work per step (a straggler on gloo)."""
+               late_rank: int | None = None) -> Outcome:
+    """``steps`` steps of the constant gradient, then ``finish()``; ``late_rank`` sleeps
+    ``GLOO_DELAY`` per step (a straggler on gloo)."""
+    delay = GLOO_DELAY if comm.rank == late_rank else 0.0
     model = Replica()
     optimizer = gossamer.distribute(
         model, _make_optimizer(case.optimizer, model.parameters(), lr), case.algorithm, comm)
@@ -358,61 +356,31 @@ def test_conservation_property(case):
 # ---------------------------------------------------------------------------- gloo
 
 
-def gloo_all_cases(passes: list[tuple[list[str], int | None]]) -> dict[tuple[int, str], Any]:
-    """Every case of every pass in turn, in these processes (process start costs seconds):
-    a pass is (case ids, the rank that sleeps ``GLOO_DELAY`` per step or None). Returns
-    (pass, case id) -> Outcome, or the traceback of the first case that raised (nothing runs
-    after it: the process group is in an undefined state after a failure)."""
-    from gossamer.comm import TorchCommunicator
-
-    base = TorchCommunicator.from_env(timeout=30)
-    results: dict[tuple[int, str], Any] = {}
-    try:
-        for index, (ids, delay_rank) in enumerate(passes):
-            for case_id in ids:
-                comm = TorchCommunicator(timeout=30)  # fresh counters, the same process group
-                comm.barrier()  # a case starts when the previous one has ended everywhere
-                delay = GLOO_DELAY if comm.rank == delay_rank else 0.0
-                try:
-                    results[index, case_id] = run_worker(comm, BY_ID[case_id], STEPS, LR,
-                                                         "rank", delay)
-                except Exception:  # noqa: BLE001 - reported by the test, with the case named
-                    results[index, case_id] = traceback.format_exc()
-                    return results
-    finally:
-        base.close()
-    return results
-
-
 @pytest.mark.gloo
 def test_conservation_on_gloo():
     """4 gloo processes run every case at equal speeds, then every averaging method again
     with rank 3 sleeping 20 ms per step (several times slower than the others' steps). The
     compressed methods run once: every step of theirs is a blocking collective, so timing
     cannot change what they compute."""
-    from gossamer.testing import spawn_gloo
+    from gossamer.testing import collect, run_in_turn, spawn_gloo
 
-    averaging = [c.id for c in CASES if c.kind not in (UNSENT, UNSENT_FP16, FP16_SUM)]
-    passes = [([c.id for c in CASES], None), (averaging, 3)]
-    results = spawn_gloo(gloo_all_cases, GLOO_WORKERS, args=(passes,), timeout=240)
+    averaging = [c for c in CASES if c.kind not in (UNSENT, UNSENT_FP16, FP16_SUM)]
+    runs = [((late, case.id), (case, STEPS, LR, "rank", late))
+            for late, cases in ((None, CASES), (3, averaging)) for case in cases]
+    results = spawn_gloo(run_in_turn, GLOO_WORKERS, args=(run_worker, runs), timeout=240)
     failures = []
-    for index, (ids, delay_rank) in enumerate(passes):
-        for case_id in ids:
-            case = BY_ID[case_id]
-            per_rank = [r.get((index, case_id)) for r in results]
-            where = f"{case_id} ({'rank 3 late' if delay_rank is not None else 'equal speeds'})"
-            if any(isinstance(o, str) for o in per_rank):
-                failures.append(f"{where} raised:\n" + next(
-                    o for o in per_rank if isinstance(o, str)))
-                continue
-            if any(o is None for o in per_rank):
-                failures.append(f"{where} did not run (an earlier case failed)")
-                continue
-            # Real processes never run at exactly equal speeds: scheduling noise makes a
-            # worker late now and then, so a stale method is held to its one-late-worker bound
-            late = delay_rank is not None or case.kind == STALE
-            try:
-                check(case, per_rank, STEPS, LR, "rank", late=late)
-            except AssertionError as exc:
-                failures.append(f"{where}: {exc}")
+    for (late_rank, case_id), (case, *_) in runs:
+        where = f"{case_id} ({'rank 3 late' if late_rank is not None else 'equal speeds'})"
+        try:
+            per_rank = collect(results, (late_rank, case_id))
+        except AssertionError as exc:
+            failures.append(f"{where}: {exc}")
+            continue
+        # Real processes never run at exactly equal speeds: scheduling noise makes a worker
+        # late now and then, so a stale method is held to its one-late-worker bound
+        late = late_rank is not None or case.kind == STALE
+        try:
+            check(case, per_rank, STEPS, LR, "rank", late=late)
+        except AssertionError as exc:
+            failures.append(f"{where}: {exc}")
     assert not failures, "\n".join(failures)

@@ -9,6 +9,12 @@ Each child gets the environment torchrun would give it (``RANK``, ``WORLD_SIZE``
         return comm.all_reduce(torch.ones(n)).tolist()
 
     assert spawn_gloo(worker, 2, args=(3,)) == [[2.0] * 3] * 2
+
+Starting the processes costs seconds, so tests that compare many runs make them all in one
+spawn, one after another (:func:`run_in_turn`, :func:`collect`)::
+
+    results = spawn_gloo(run_in_turn, 4, args=(train, [("sgp", (SGP(),)), ("dpsgd", (DPSGD(),))]))
+    sgp = collect(results, "sgp")  # train(comm, SGP()) of each rank
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["free_port", "spawn_gloo"]
+__all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo"]
 
 _GRACE = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
 
@@ -183,3 +190,58 @@ def _reap(procs: list, grace: float) -> None:
 
 def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", repr(fn))
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A run of :func:`run_in_turn` that raised, with its traceback."""
+
+    traceback: str
+
+
+def run_in_turn(
+    fn: Callable[..., Any], runs: Sequence[tuple[Hashable, Sequence[Any]]],
+    timeout: float = 30.0,
+) -> dict[Hashable, Any]:
+    """In a process of :func:`spawn_gloo`: ``fn(comm, *args)`` for each ``(key, args)`` of
+    ``runs``, one after another, each with a communicator of its own (its own byte counters;
+    the same process group) that starts with a barrier, so that a run begins when the one
+    before it has ended on every rank.
+
+    Returns ``{key: result}``. A run that raises gives :class:`Failed` with its traceback and
+    ends the sequence: after a failure the process group is in an undefined state. ``timeout``
+    is every communicator's (seconds), so that the other ranks soon fail too instead of
+    waiting for the failed one. ``fn`` must be picklable (a module-level function).
+    """
+    from gossamer.comm.torch_comm import TorchCommunicator
+
+    owner = TorchCommunicator.from_env(timeout=timeout)
+    results: dict[Hashable, Any] = {}
+    try:
+        for key, args in runs:
+            comm = TorchCommunicator(timeout=timeout)
+            try:
+                comm.barrier()
+                results[key] = fn(comm, *args)
+            except Exception:  # noqa: BLE001 - reported to the parent, with the run named
+                results[key] = Failed(traceback.format_exc())
+                break
+    finally:
+        owner.close()
+    return results
+
+
+def collect(results: Sequence[dict[Hashable, Any]], key: Hashable) -> list[Any]:
+    """The results of run ``key`` on every rank, from ``spawn_gloo(run_in_turn, ...)``.
+
+    Raises AssertionError naming the run and the rank if a rank raised in it (with its
+    traceback) or never got to it (an earlier run failed).
+    """
+    out = []
+    for rank, per_rank in enumerate(results):
+        if key not in per_rank:
+            raise AssertionError(f"{key}: rank {rank} did not run it (an earlier run failed)")
+        if isinstance(per_rank[key], Failed):
+            raise AssertionError(f"{key}: rank {rank} raised:\n{per_rank[key].traceback}")
+        out.append(per_rank[key])
+    return out
