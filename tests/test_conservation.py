@@ -18,16 +18,18 @@ What each method must satisfy:
 
 - AllReduce, SGP, Overlap SGP, D-PSGD, AD-PSGD, local SGD, QSR, GossipGraD, WAGMA with
   ``tau = 0``: exactly, at any speeds.
-- WAGMA with ``tau >= 1``: exactly when nobody is late (equal speeds). With a straggler, its
-  contributions are up to ``tau`` rounds old (the module's docstring): a contribution of age
-  ``a`` lacks ``a`` rounds of its owner's progress, a round's progress being one gradient
-  step, so at most ``a * lr * max|G|`` per element,
-  weighed ``1 / g`` in each of the other ``g - 1`` members' averages; with one late worker
-  only its group of each round is affected, and the late worker's own average (with newer
-  models) errs the other way, so the sum errs by at most ``(g - 1) / g * tau * lr * max|G|``
-  per round: the mean by at most ``steps * tau * lr * max|G| * (g - 1) / (g * n)``. With
-  jitter every member may be late, and the same reasoning only gives ``(g - 1) / g`` of the
-  whole progress, which proves nothing: jitter is not drawn for it.
+- WAGMA with ``tau >= 1``: exactly when nobody is late (equal speeds). With a straggler, a
+  group round is not one simultaneous collective: each member averages, when it gets there,
+  with the newest models it holds (the module's docstring). A contribution is at most ``tau``
+  rounds older than the round it is used in, so it lacks at most ``tau`` rounds of its
+  owner's progress, a round's progress being one gradient step (``tau * lr * max|G|`` per
+  element), weighed ``1 / g`` in each of the other ``g - 1`` members' averages; and the late
+  worker's own average, later, uses its partners' models of up to as many rounds ahead of the
+  ones they averaged with it, erring by as much again. With one late worker only its group of
+  each round is affected, so the mean errs by at most
+  ``2 * steps * tau * lr * max|G| * (g - 1) / (g * n)``. With jitter every member may be late,
+  and the same reasoning only gives ``(g - 1) / g`` of the whole progress, which proves
+  nothing: jitter is not drawn for it.
 - Local AdamW (local SGD around AdamW): AdamW's update is not linear in the gradient, so the
   mean does not move by ``lr * steps * G``. But its moments see only the constant gradient,
   and its decoupled weight decay is the same linear map on every worker, so averaging commutes
@@ -242,7 +244,7 @@ def _solo_adamw(x0: torch.Tensor, grad: torch.Tensor, lr: float, steps: int) -> 
 def stale_bound(algorithm: WAGMA, n: int, steps: int, lr: float, gmax: float) -> float:
     """The largest drift of WAGMA's mean with one late worker (see the module docstring)."""
     g = algorithm.group_size
-    return steps * algorithm.tau * lr * gmax * (g - 1) / (g * n)
+    return 2 * steps * algorithm.tau * lr * gmax * (g - 1) / (g * n)
 
 
 def check(case: Case, outcomes: list[Outcome], steps: int, lr: float, kind: str,
@@ -274,7 +276,7 @@ def check(case: Case, outcomes: list[Outcome], steps: int, lr: float, kind: str,
     elif case.kind == STALE and late:
         tolerance = stale_bound(case.algorithm, n, steps, lr, gmax)
         # the bound must say something: well below the progress itself
-        assert tolerance < 0.25 * lr * steps * gmax, f"{label}: the bound is vacuous"
+        assert tolerance <= 0.4 * lr * steps * gmax, f"{label}: the bound is vacuous"
     else:
         tolerance = 0.0
     error = (moved - expected).abs().max()

@@ -16,8 +16,12 @@ their model of this round, so with equal speeds every member averages the same m
 adopts the same result, and the sum of the models moves by exactly the sum of the updates. Only
 a member still computing an earlier round contributes an older model, never older than ``tau``
 rounds: a worker waits only for a member more than ``tau`` rounds behind. In a round with a late
-member the members' results differ (the late member averages its own newer model), which is the
-staleness the paper bounds. A worker that finds, from the round numbers on the messages it
+member the members' results differ (the late member averages, later, with its partners' newer
+models), which is the staleness the paper bounds: the sum of the models is then not conserved,
+but each stale contribution lacks at most ``tau`` rounds of its owner's progress, and the late
+member's own average errs by at most as much, so with one late worker the replicas' mean drifts
+by at most ``2 * tau * lr * |update| * (g - 1) / (g * n)`` per round (tests/test_conservation.py
+holds it to that). A worker that finds, from the round numbers on the messages it
 received, that others have gone ahead, skips the rounds it missed and continues at the front
 (the others already averaged with its older model for those rounds); before it averages it
 publishes its current model to the members of the groups of the rounds it skipped, so nobody
