@@ -152,8 +152,7 @@ def test_wagma_matches_algorithm_1_in_the_recorded_order(n, options, timing):
     mean = torch.stack(last).mean(0)
     for _, final, _ in library:  # finish(): the exact average of the last models
         assert torch.allclose(final, mean, atol=1e-6, rtol=0)
-    ages = [q - stamp for record in events for _, q, _, stamps, held in record
-            for m, stamp in stamps.items() if m not in held]  # held: paused, current
+    ages = [age for record in events for *_, recorded in record for age in recorded.values()]
     assert max(ages) <= options["tau"]
     if timing == "equal":
         assert max(ages) == 0  # nobody late: every member contributed its current model

@@ -16,9 +16,9 @@ as it has it: the model it starts that round with.
 Which stale model a member contributes depends on timing; the oracle takes it from the
 library's record: ``events[i]`` lists ``(step, round, kind, {member: stamp}, ...)`` per
 step, with kind ``"group"`` (the stamps of the models averaged) or ``"global"``. A worker's
-model for round ``r`` is the one its step of round ``r - 1`` ends with; a worker that skips
-from round ``r`` to ``q > r`` also publishes its model for ``q`` (``q - 1`` when ``q`` is a
-global round, whose all-reduce sets everyone's model for ``q``).
+model for round ``r`` is the one its step of round ``r - 1`` ends with (a worker that skips
+from round ``r`` to ``q > r`` publishes that same model for the rounds it skipped, under the
+stamp ``r``); a global round's all-reduce sets everyone's model for that round.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ def run(x0: list[torch.Tensor], grad: Callable[[int, torch.Tensor], torch.Tensor
     trajectory: list[list[torch.Tensor | None]] = [[None] * n for _ in range(steps)]
     step = [0] * n
     next_round = [0] * n
-    started = [False] * n  # whether worker i published its model for this step's round
     while min(step) < steps:
         progressed = False
         for i in range(n):
@@ -51,10 +50,6 @@ def run(x0: list[torch.Tensor], grad: Callable[[int, torch.Tensor], torch.Tensor
             t = step[i]
             recorded_step, q, kind, stamps = events[i][t][:4]
             assert recorded_step == t, (i, t, recorded_step)
-            if not started[i]:
-                started[i] = True
-                if q > next_round[i]:  # skipped to the front: published for q (or q - 1)
-                    models[i][q - 1 if kind == "global" else q] = x[i]
             if kind == "global":
                 arrived.setdefault(q, {})[i] = x[i]
                 if q not in results:
@@ -79,7 +74,6 @@ def run(x0: list[torch.Tensor], grad: Callable[[int, torch.Tensor], torch.Tensor
             trajectory[t][i] = x[i]
             next_round[i] = q + 1
             step[i] += 1
-            started[i] = False
             progressed = True
         if not progressed:
             raise ValueError("the recorded rounds wait for each other: no order exists")
