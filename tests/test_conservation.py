@@ -26,7 +26,7 @@ What each method must satisfy:
   ``lr * max|G|`` per element), each weighed ``1 / g``, in the groups of the late worker only;
   the module documents the envelope ``2 * (tau + 1) * lr * max|G| * (g - 1) / (g * n)`` per
   round for one late worker, measured over n 4-16, g 2-4, tau 1-3, a 2x-4x straggler, with and
-  without global rounds (worst: 0.71 of it). It is an envelope, not a proof: the test holds
+  without global rounds (worst: 0.80 of it). It is an envelope, not a proof: the test holds
   the implementation to it. With jitter every member may be late and no useful envelope
   exists: jitter is not drawn for it.
 - Local AdamW (local SGD around AdamW): AdamW's update is not linear in the gradient, so the
