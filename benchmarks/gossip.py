@@ -1,6 +1,7 @@
 """Gossip methods against AllReduce: accuracy, bytes and simulated speed.
 
     python -m benchmarks.gossip accuracy --data ../shared/data --workers 8 16
+    python -m benchmarks.gossip accuracy --data ../shared/data --reuse allreduce sgp dpsgd
     python -m benchmarks.gossip speed --workers 8 32 128 --gbits 1 10 100
 
 accuracy: the MNIST CNN (recipes/mnist-cnn.yaml) with AllReduce, SGP, Overlap SGP, D-PSGD and
@@ -52,7 +53,9 @@ def accuracy(args: argparse.Namespace) -> None:
         steps = base.steps * 8 // n  # the same epochs at every worker count
         config = base.replace(sim=n, steps=steps, eval_every=max(1, steps // 6))
         out = RESULTS / f"gossip-mnist-{n}"
-        run_compare(",".join(METHODS), config, out)
+        fresh = [m for m in METHODS if m not in args.reuse or not _finished(out / m)]
+        if fresh:
+            run_compare(",".join(fresh), config, out)
         model_bytes = None
         runs = {m: load_metrics(out / m) for m in METHODS}
         for method, run in runs.items():
@@ -78,6 +81,12 @@ def accuracy(args: argparse.Namespace) -> None:
                   f"{per_step / 1e6:.3f} MB = {rows[-1]['bytes_ratio']:.4f} x minimum")
         plot_consensus(rows, n, out / "consensus_distance.png")
     print(f"wrote {write_result('gossip_accuracy', {'rows': rows})}")
+
+
+def _finished(run: Path) -> bool:
+    """Whether ``run`` holds a finished run (its metrics end with the summary)."""
+    metrics = run / "metrics.jsonl"
+    return metrics.exists() and '"kind": "summary"' in metrics.read_text().splitlines()[-1]
 
 
 def plot_consensus(rows: list[dict], n: int, path: Path) -> None:
@@ -190,6 +199,9 @@ def main() -> None:
     a = sub.add_parser("accuracy")
     a.add_argument("--data", default="../shared/data")
     a.add_argument("--workers", type=int, nargs="+", default=[8, 16])
+    a.add_argument("--reuse", nargs="*", default=[], metavar="METHOD",
+                   help="methods whose finished runs in benchmarks/results are reused "
+                        "instead of run again (e.g. after a change to other methods only)")
     s = sub.add_parser("speed")
     s.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128])
     s.add_argument("--gbits", type=float, nargs="+", default=[1, 10, 100])

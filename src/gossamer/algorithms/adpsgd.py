@@ -2,11 +2,12 @@
 
 Workers of even rank are active, of odd rank passive; every edge of the (bipartite) topology
 joins an active and a passive worker, so two workers never wait for each other in a cycle.
-After each local step an active worker sends its parameters to its next passive neighbour
-(round robin) and goes on computing. A passive worker, after each of its own steps, answers
-every request that has arrived: it averages its current parameters with the requester's,
-``x_p <- (x_p + x_a) / 2``, and replies with that average. When the reply arrives at the active
-worker, at a later step, it takes the same average: ``x_a <- x_a + (reply - x_a_sent)``.
+After each local step an active worker with no request out sends its parameters to its next
+passive neighbour (round robin) and goes on computing. A passive worker, after each of its own
+steps, answers every request that has arrived: it averages its current parameters with the
+requester's, ``x_p <- (x_p + x_a) / 2``, and replies with that average. When the reply arrives
+at the active worker, at a later step, it takes the same average:
+``x_a <- x_a + (reply - x_a_sent)``.
 
 This is the atomic pairwise average of the paper (Algorithm 1: ``x_i, x_j <- (x_i + x_j) / 2``,
 then the local model is updated with a gradient computed at stale parameters): the average is
@@ -84,7 +85,8 @@ class ADPSGDRuntime(GossipRuntime):
         # internal state
         self.next_peer = 0  # active: round-robin position in neighbors
         self.requests = {p: 0 for p in self.neighbors}  # sent (active) / answered (passive)
-        # active: per peer, the parameters sent with the request and the reply's receive
+        # active: the request out (at most one), by peer: the parameters it carried and the
+        # reply's receive
         self.outstanding: dict[int, tuple[torch.Tensor, Handle]] = {}
         self.posted: dict[int, Handle] = {}  # passive: the receive posted for each peer
         self.sending: list[Handle] = []  # sends not known to be complete yet
@@ -134,16 +136,19 @@ class ADPSGDRuntime(GossipRuntime):
         return x
 
     def _request(self, x: torch.Tensor) -> None:
-        for _ in range(len(self.neighbors)):
-            peer = self.neighbors[self.next_peer]
-            self.next_peer = (self.next_peer + 1) % len(self.neighbors)
-            if peer not in self.outstanding:  # one request per peer at a time
-                sent = x.clone()  # the reply's receive first: the reply never waits for it
-                self.outstanding[peer] = (sent, self.comm.exchange({}, [peer], recv_like=sent))
-                self.sending.append(self.comm.exchange({peer: sent}, []))
-                self.requests[peer] += 1
-                self._record("request", peer, self.requests[peer])
-                return
+        """Active: ask the next neighbour (round robin) to average, unless a request is still
+        out. One at a time, as the paper's atomic averages are: a second request would carry
+        parameters that lack the first average, and the two replies together would move this
+        worker twice as far towards its neighbours as the averages allow (it oscillates)."""
+        if self.outstanding:
+            return
+        peer = self.neighbors[self.next_peer]
+        self.next_peer = (self.next_peer + 1) % len(self.neighbors)
+        sent = x.clone()  # the reply's receive first: the reply never waits for it
+        self.outstanding[peer] = (sent, self.comm.exchange({}, [peer], recv_like=sent))
+        self.sending.append(self.comm.exchange({peer: sent}, []))
+        self.requests[peer] += 1
+        self._record("request", peer, self.requests[peer])
 
     def _answer(self, x: torch.Tensor, block: bool, until: dict[int, int] | None = None
                 ) -> torch.Tensor:
