@@ -140,7 +140,7 @@ class ADPSGDRuntime(GossipRuntime):
         out. One at a time, as the paper's atomic averages are: a second request would carry
         parameters that lack the first average, and the two replies together would move this
         worker twice as far towards its neighbours as the averages allow (it oscillates)."""
-        if self.outstanding:
+        if self.outstanding or not self.neighbors:  # one out already, or alone
             return
         peer = self.neighbors[self.next_peer]
         self.next_peer = (self.next_peer + 1) % len(self.neighbors)
