@@ -77,17 +77,13 @@ def _replay_worker(comm, config: TrainConfig) -> tuple[list[tuple[int, int]], in
             group["lr"] = learning_rate(config, step)
         optimizer.step()
     optimizer.finish()
-    warmup = [(s, 1) for s in range(getattr(runtime.config, "warmup_steps", 0))]
-    periods = [(s, h) for s, h in getattr(runtime, "periods", []) if s < config.steps - 1]
-    return (warmup + periods if periods else []), runtime.synchronizations
+    periods = [(s, h) for s, h in getattr(runtime, "periods", []) if s < config.steps]
+    return periods, runtime.synchronizations
 
 
 def replay(config: TrainConfig) -> tuple[list[tuple[int, int]], int]:
-    """(step, H chosen after averaging there) and the synchronisations of ``config``'s run.
-
-    The steps of the algorithm's warm-up count as H = 1; the H chosen after the last step is
-    left out: no step is left for it to govern.
-    """
+    """(first step of a round, its H) for every round of ``config``'s run, warm-up rounds
+    included, and the run's synchronisations."""
     from gossamer.comm import SimWorld
 
     return SimWorld(1).run(_replay_worker, config)[0]
