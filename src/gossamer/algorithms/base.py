@@ -19,7 +19,7 @@ Runtimes talk to other workers only through a :class:`~gossamer.comm.Communicato
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -68,6 +68,10 @@ class Runtime:
         # internal state
         self.step = 0  # optimizer steps taken
         self.total_steps: int | None = None  # set by a training loop that knows it
+        #: ``training_inputs(k)``: k minibatches of this worker's training inputs, drawn apart
+        #: from the batches training uses; set by a training loop that has the data
+        #: (``gossamer train`` does); local SGD re-estimates BatchNorm statistics with them
+        self.training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None
         # non-finite values (see gossamer.algorithms.nonfinite)
         self.nonfinite = "raise"  # the policy, "raise" or "skip" (distribute() sets it)
         self.skip_update = False  # this step: the wrapped optimizer must not step

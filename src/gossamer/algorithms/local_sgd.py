@@ -38,7 +38,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -159,10 +159,6 @@ class LocalSGDRuntime(Runtime):
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(comm, model, optimizer)
         self.config = config
-        #: ``training_inputs(k)``: k minibatches of this worker's training inputs, drawn apart
-        #: from the batches training uses; set by a training loop that has the data
-        #: (``gossamer train`` does), for the BatchNorm re-estimation before evaluation
-        self.training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None
         # internal state
         self.next_average: int | None = None  # the current round's last step; None: none yet
         self.current_period = 0  # H of the current round

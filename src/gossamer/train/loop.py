@@ -231,7 +231,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset) -> d
         for _ in range(count):
             yield dataset.x_train[draw.next_batch()].to(device)
 
-    runtime.training_inputs = training_inputs  # read by the runtimes that need it
+    runtime.training_inputs = training_inputs  # a Runtime field: read by those that need it
     # Traffic and time spent only to measure or checkpoint, not by the algorithm.
     excluded = dict(setup)
     offsets = {"bytes": 0, "messages": 0, "time": 0.0}  # carried over from before a resume
