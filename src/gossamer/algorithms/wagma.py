@@ -222,20 +222,21 @@ class WAGMARuntime(GossipRuntime):
         stamp = max(self.models[peer])
         return self.models[peer][stamp]
 
-    def _model_for(self, peer: int, q: int) -> tuple[int, torch.Tensor] | None:
-        """``peer``'s model for round ``q`` and its age in rounds (0: its model of that
-        round), or None while it has published nothing for round ``q`` or later. A model
-        published for later rounds only is never used for ``q``: it already holds this
-        worker's contribution to them."""
+    def _model_for(self, peer: int, q: int) -> tuple[int, int, torch.Tensor] | None:
+        """``peer``'s model for round ``q``: its age in rounds (0: its model of that round),
+        its stamp and the model; None while it has published nothing for round ``q`` or
+        earlier. A model published for later rounds only is never used for ``q``: it
+        already holds this worker's contribution to them."""
         known = self.models[peer]
         current = [stamp for stamp, (until, _) in known.items() if stamp <= q <= until]
         if current:
-            return 0, known[max(current)][1]
+            stamp = max(current)
+            return 0, stamp, known[stamp][1]
         older = [stamp for stamp, (until, _) in known.items() if until < q]
         if not older:
             return None
         stamp = max(older, key=lambda k: known[k][0])
-        return q - known[stamp][0], known[stamp][1]
+        return q - known[stamp][0], stamp, known[stamp][1]
 
     def _forget(self) -> None:
         """Drop the models no later round can use: published for rounds before the oldest
@@ -331,28 +332,26 @@ class WAGMARuntime(GossipRuntime):
         return q
 
     def _average(self, x: torch.Tensor, q: int) -> torch.Tensor:
-        """x averaged with the newest published models of round ``q``'s group, waiting for a
-        member only while its newest is more than tau rounds old."""
+        """x averaged with the models the other members of round ``q``'s group published for
+        it, waiting for a member only while its newest is more than tau rounds old."""
         members = [m for m in self._group_of(q) if m != self.comm.rank]
         total = x.clone()
         self._waited = False
         stamps, ages = {}, {}
         for m in members:
             found = self._model_for(m, q)
-            if (found is None or found[0] > self.config.tau) and m not in self.held:
+            if not _within(found, self.config.tau) and m not in self.held:
                 self.waits += 1
                 self._waited = True
-                while (found is None or found[0] > self.config.tau) and m not in self.held:
+                while not _within(found, self.config.tau) and m not in self.held:
                     self._take(m)
                     found = self._model_for(m, q)
-            if m in self.held and (found is None or found[0] > 0):
+            if m in self.held and not _within(found, 0):
                 # paused before round q: its newest parameters are its current ones
                 stamp = max(self.models[m])
                 age, contribution = 0, self.models[m][stamp][1]
             else:
-                age, contribution = found
-                stamp = max(k for k, (until, _) in self.models[m].items()
-                            if k <= q and (until >= q or q - until == age))
+                age, stamp, contribution = found
             stamps[m], ages[m] = stamp, age
             self.ages[age] += 1
             total += contribution
@@ -457,3 +456,8 @@ class WAGMARuntime(GossipRuntime):
         self.rounds_skipped = int(state["rounds_skipped"])
         self.waits = int(state["waits"])
         self.ages = Counter({int(k): int(v) for k, v in state["ages"].items()})
+
+
+def _within(found: tuple[int, int, torch.Tensor] | None, age: int) -> bool:
+    """Whether a model was found for the round and is at most ``age`` rounds old."""
+    return found is not None and found[0] <= age
