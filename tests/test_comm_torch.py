@@ -32,6 +32,7 @@ def _values(tensors: list[torch.Tensor]) -> list[list[float]]:
 
 def _each_rank_holds_its_rank() -> dict:
     """Every collective on a world where rank r contributes r; returns what this rank saw."""
+    threads_before = _threads()
     comm = TorchCommunicator.from_env(timeout=60)
     n, r = comm.world_size, comm.rank
     seen: dict = {"rank": r}
@@ -91,13 +92,29 @@ def _each_rank_holds_its_rank() -> dict:
                 seen["sub_refused"] = str(exc)
     comm.barrier()  # the subset's traffic is done before anyone closes
     comm.close()
+    # gloo's threads are gone when close() returns (one left to interpreter shutdown can
+    # abort the process while it releases a finished operation's tensors)
+    seen["threads"] = (threads_before, _threads())
+    try:
+        comm.all_reduce(torch.ones(1))
+    except ValueError as exc:
+        seen["closed"] = str(exc)
     return seen
+
+
+def _threads() -> int:
+    """The OS threads of this process."""
+    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_each_rank_holds_its_rank(n: int) -> None:
     results = spawn_gloo(_each_rank_holds_its_rank, n, timeout=120)
+    for seen in results:
+        before, after = seen["threads"]
+        assert after == before, f"rank {seen['rank']}: {after - before} threads outlive close()"
+        assert "all_reduce on a closed communicator" in seen["closed"]
     total = float(sum(range(n)))
     for r, seen in enumerate(results):
         assert seen["rank"] == r

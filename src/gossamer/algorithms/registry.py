@@ -7,12 +7,12 @@ name and a few ``key=value`` options from a command line or YAML file build the 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 from gossamer.algorithms.base import Algorithm
+from gossamer.options import convert, type_name
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -57,7 +57,7 @@ def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
                 f"algorithm {name!r} has no option {key!r}; its options: "
                 f"{', '.join(sorted(fields)) or 'none'}"
             )
-        kwargs[key] = _convert(name, key, value, hints[key])
+        kwargs[key] = convert(key, value, hints[key], owner=f"algorithm {name!r}")
     return cls(**kwargs)
 
 
@@ -70,32 +70,5 @@ def describe(name: str) -> list[tuple[str, str, Any]]:
         if not f.init:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append((f.name, _type_name(hints[f.name]), default))
+        rows.append((f.name, type_name(hints[f.name]), default))
     return rows
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _convert(algorithm: str, key: str, value: Any, tp: Any) -> Any:
-    """Convert a string option to the field's type; other values pass through."""
-    if not isinstance(value, str):
-        return value
-    origin = typing.get_origin(tp)
-    candidates = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
-    if value.lower() in ("none", "null") and type(None) in candidates:
-        return None
-    for candidate in candidates:
-        try:
-            if candidate is bool:
-                if value.lower() in ("1", "true", "yes", "on"):
-                    return True
-                if value.lower() in ("0", "false", "no", "off"):
-                    return False
-                continue
-            if candidate in (int, float, str):
-                return candidate(value)
-        except ValueError:
-            continue
-    raise ValueError(f"option {key}={value!r} of algorithm {algorithm!r} is not a valid {tp}")

@@ -13,6 +13,7 @@ ones that stopped.
 from __future__ import annotations
 
 import ipaddress
+import gc
 import os
 import re
 import socket
@@ -502,6 +503,8 @@ class TorchCommunicator:
 
     @property
     def process_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            raise ValueError(f"{self!r} is closed")
         return self._group
 
     # -- collectives -------------------------------------------------------------------------
@@ -604,6 +607,8 @@ class TorchCommunicator:
     ) -> _Exchange:
         """Post the sends and receives (isend/irecv) and return at once; see the protocol."""
         like = check_exchange(self._rank, self._world_size, sends, recv_from, recv_like)
+        if self._group is None:
+            raise ValueError(f"exchange on a closed communicator ({self!r})")
         self._exchanges += 1
         label = f"exchange #{self._exchanges}"
         self._label = label
@@ -659,14 +664,25 @@ class TorchCommunicator:
         faults.hang_process(reason)
 
     def close(self) -> None:
-        """Stop the heartbeat; destroy the process group if :meth:`from_env` created it."""
+        """Stop the heartbeat; destroy the process group if :meth:`from_env` created it.
+
+        The communicator lets go of the group in any case. A gloo group's worker threads
+        end only when the last reference to it goes; one that outlives the interpreter can
+        release a finished operation's tensors while Python finalises, which aborts the
+        process ("terminate called without an active exception"). So when ``close()``
+        returns, a group it destroyed has joined its threads.
+        """
         if self._heartbeat is not None:
             hosting = self._store_host == self._global_ranks[self._rank]
             self._heartbeat.stop(len(self._global_ranks), wait_for_all=hosting)
             self._heartbeat = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+        if self._owns_group:
+            self._store = None
+        self._group = None
         self._owns_group = False
+        gc.collect()  # a cycle holding the group would keep its threads alive
 
     def __enter__(self) -> TorchCommunicator:
         return self
@@ -681,6 +697,8 @@ class TorchCommunicator:
     # -- internals ---------------------------------------------------------------------------
 
     def _begin(self, op: str) -> str:
+        if self._group is None:
+            raise ValueError(f"{op} on a closed communicator ({self!r})")
         self._seq += 1
         self._label = f"{op} #{self._seq}"
         return self._label

@@ -1,0 +1,91 @@
+"""Documented options: a dataclass field that carries its own help text, and the conversion of
+``KEY=VALUE`` strings (command line, recipes) to a field's type.
+
+Every configuration class of gossamer (a training run, an algorithm, a compressor) declares
+each option once, with its default and its help, and everything that shows or parses options
+(``--help``, ``gossamer algorithms``, ``--option KEY=VALUE``, YAML recipes) reads them from
+there. Example::
+
+    @dataclass(frozen=True, kw_only=True)
+    class Example:
+        ratio: float = option(0.01, "fraction of elements sent; lower: fewer bytes")
+
+    option_help(Example)           # {"ratio": "fraction of elements sent; lower: fewer bytes"}
+    convert("ratio", "1e-3", float)  # 0.001
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["convert", "describe_options", "option", "option_help"]
+
+_MISSING: Any = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, help: str = "", *,  # noqa: A002 - argparse's word
+           factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with ``default`` (or ``factory``) and its ``help`` text."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def option_help(cls: type) -> dict[str, str]:
+    """The help text of each init field of the dataclass ``cls`` ("" where none is given)."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.init}
+
+
+def describe_options(cls: type) -> list[tuple[str, str, Any, str]]:
+    """(option, type, default, help) of each init field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        rows.append((f.name, type_name(hints[f.name]), default, f.metadata.get("help", "")))
+    return rows
+
+
+def type_name(tp: Any) -> str:
+    """``float``, ``int | None``, ...: a type as a reader writes it."""
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def convert(key: str, value: Any, tp: Any, owner: str = "") -> Any:
+    """``value`` converted to the type ``tp`` when it is a string; other values pass through.
+
+    Booleans accept 1/0, true/false, yes/no, on/off; ``none``/``null`` gives None where the
+    type allows it; a union tries its members in order. ``owner`` names what the option
+    belongs to in the error (e.g. ``"algorithm 'sgp'"``).
+    """
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(tp)
+    candidates = typing.get_args(tp) if origin in (typing.Union, types.UnionType) else (tp,)
+    if value.lower() in ("none", "null") and type(None) in candidates:
+        return None
+    for candidate in candidates:
+        try:
+            if candidate is bool:
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                continue
+            if candidate in (int, float, str):
+                return candidate(value)
+        except ValueError:
+            continue
+    where = f" of {owner}" if owner else ""
+    raise ValueError(f"option {key}={value!r}{where} is not a valid {type_name(tp)}")
