@@ -12,8 +12,8 @@ ones that stopped.
 
 from __future__ import annotations
 
-import ipaddress
 import gc
+import ipaddress
 import os
 import re
 import socket
