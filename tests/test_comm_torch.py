@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from gossamer.comm.base import DEFAULT_TIMEOUT, CommError, default_timeout
 from gossamer.comm.cost import ring_all_reduce_traffic
+from gossamer.comm.environment import LAUNCHER_VARIABLES
 from gossamer.comm.torch_comm import (
     LaunchEnv,
     TorchCommunicator,
@@ -188,8 +189,7 @@ def test_dead_worker_is_named() -> None:
 @pytest.mark.gloo
 def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no launcher variables: a world of one, in this process, every op a no-op."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+    for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     comm = TorchCommunicator.from_env(backend="gloo", timeout=30)
     try:
@@ -339,8 +339,7 @@ def test_nccl_all_reduce() -> None:
 
 @pytest.mark.gloo
 def test_timeout_defaults_to_the_backends(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+    for name in LAUNCHER_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert default_timeout("gloo") == default_timeout("sim") == 300.0
     assert default_timeout("NCCL") == 600.0  # torch's own NCCL default: slower start-up

@@ -4,6 +4,10 @@
   exchange, group, barrier), with byte accounting and timeouts.
 - :class:`TorchCommunicator`: over a c10d process group (gloo on CPU, NCCL on GPU).
 - :class:`SimWorld`: n workers in one process, deterministic, in virtual time.
+- :mod:`gossamer.comm.environment`: where a launcher (torchrun, SLURM, Open MPI, ``gossamer
+  launch``) placed this process: :func:`launch_env_from`, :func:`launched`.
+- :mod:`gossamer.comm.rate`: rates in bytes per second: :func:`parse_rate`,
+  :func:`format_rate`.
 """
 
 from gossamer.comm.base import (
@@ -16,7 +20,9 @@ from gossamer.comm.base import (
     Handle,
     default_timeout,
 )
+from gossamer.comm.environment import LaunchEnv, launch_env_from, launched
 from gossamer.comm.network import ComputeModel, NetworkModel
+from gossamer.comm.rate import format_rate, parse_rate
 from gossamer.comm.sim import SimReport, SimulationError, SimWorld
 from gossamer.comm.torch_comm import TorchCommunicator
 
@@ -29,10 +35,15 @@ __all__ = [
     "Communicator",
     "ComputeModel",
     "Handle",
+    "LaunchEnv",
     "NetworkModel",
     "SimReport",
     "SimWorld",
     "SimulationError",
     "TorchCommunicator",
     "default_timeout",
+    "format_rate",
+    "launch_env_from",
+    "launched",
+    "parse_rate",
 ]

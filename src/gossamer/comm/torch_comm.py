@@ -15,15 +15,13 @@ from __future__ import annotations
 import gc
 import ipaddress
 import os
-import re
 import socket
 import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,6 +38,7 @@ from gossamer.comm.base import (
     default_timeout,
     tensor_nbytes,
 )
+from gossamer.comm.environment import LaunchEnv, expand_nodelist, launch_env_from
 from gossamer.comm.p2p_group import P2PGroup, check_headers, divide_, numel_of, shape_header
 
 __all__ = [
@@ -49,161 +48,10 @@ __all__ = [
     "launch_env_from",
 ]
 
-DEFAULT_MASTER_ADDR = "127.0.0.1"  # loopback: nothing is exposed beyond this machine by default
-DEFAULT_MASTER_PORT = 29500
-
 HEARTBEAT_INTERVAL = 0.5  # seconds between beats
 _DIAGNOSE_GAP = 1.5  # seconds between the two reads of the peers' beats (three beats)
 _STORE_READ_TIMEOUT = 5.0  # a diagnosis must not hang on a store that does not answer
 _CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to close
-
-# --------------------------------------------------------------------------------------------
-# Launch environment
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as read from the launcher's environment variables."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-    source: Literal["torchrun", "slurm", "mpi", "single"]
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM host list such as ``node[01-04,07],gpu2`` into host names.
-
-    Zero padding is kept (``node[08-10]`` gives ``node08 node09 node10``) and several bracket
-    groups in one name expand to their product (``r[1-2]n[1-2]``). Raises ValueError on
-    unbalanced brackets or bad ranges.
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist):
-        hosts.extend(_expand_host(item, nodelist))
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split at the commas that are outside brackets."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"nested brackets in host list {text!r}")
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in host list {text!r}")
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"unbalanced '[' in host list {text!r}")
-    items.append(text[start:])
-    return [item.strip() for item in items if item.strip()]
-
-
-def _expand_host(item: str, whole: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if match is None:
-        return [item]
-    prefix, suffix = item[: match.start()], item[match.end():]
-    values: list[str] = []
-    for part in match.group(1).split(","):
-        part = part.strip()
-        bounds = part.split("-")
-        if len(bounds) == 1 and bounds[0].isdigit():
-            values.append(bounds[0])
-        elif len(bounds) == 2 and bounds[0].isdigit() and bounds[1].isdigit():
-            lo, hi = int(bounds[0]), int(bounds[1])
-            if lo > hi:
-                raise ValueError(f"descending range {part!r} in host list {whole!r}")
-            width = len(bounds[0])
-            values.extend(str(v).zfill(width) for v in range(lo, hi + 1))
-        else:
-            raise ValueError(f"bad range {part!r} in host list {whole!r}")
-    return [h for v in values for h in _expand_host(prefix + v + suffix, whole)]
-
-
-def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    value = environ.get(name)
-    if value is None or value.strip() == "":
-        if default is None:
-            raise ValueError(f"environment variable {name} is required but not set")
-        return default
-    try:
-        return int(value.strip())
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def launch_env_from(environ: Mapping[str, str]) -> LaunchEnv:
-    """Read rank, world size and rendezvous address from a launcher's environment.
-
-    Tried in order: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``), SLURM
-    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the master defaults to the first host
-    of ``SLURM_JOB_NODELIST``), Open MPI (``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_SIZE``,
-    ``OMPI_COMM_WORLD_LOCAL_RANK``); with none of them, a single process. ``MASTER_ADDR`` and
-    ``MASTER_PORT`` override the address (default 127.0.0.1:29500). A pure function, so it can
-    be tested without a launcher; raises ValueError naming the variable that is malformed.
-    """
-    master_addr = environ.get("MASTER_ADDR", "").strip()
-    source: Literal["torchrun", "slurm", "mpi", "single"]
-    if "RANK" in environ or "WORLD_SIZE" in environ:
-        source, rank_var, size_var, local_var = "torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"
-    elif "SLURM_PROCID" in environ:
-        size_var = "SLURM_NTASKS" if "SLURM_NTASKS" in environ else "SLURM_NPROCS"
-        source, rank_var, local_var = "slurm", "SLURM_PROCID", "SLURM_LOCALID"
-        if not master_addr:
-            var = "SLURM_JOB_NODELIST" if environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
-            nodelist = environ.get(var)
-            if nodelist:
-                try:
-                    hosts = expand_nodelist(nodelist)
-                except ValueError as exc:
-                    raise ValueError(f"environment variable {var}: {exc}") from None
-                if not hosts:
-                    raise ValueError(f"environment variable {var}={nodelist!r} names no host")
-                master_addr = hosts[0]
-    elif "OMPI_COMM_WORLD_RANK" in environ:
-        source, rank_var, size_var = "mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"
-        local_var = "OMPI_COMM_WORLD_LOCAL_RANK"
-    else:
-        source, rank_var, size_var, local_var = "single", "", "", ""
-
-    if source == "single":
-        rank, world_size, local_rank = 0, 1, 0
-    else:
-        world_size = _env_int(environ, size_var)
-        rank = _env_int(environ, rank_var)
-        # Without a local rank, assume one node: the local rank is the rank.
-        local_rank = _env_int(environ, local_var, default=rank)
-    if world_size < 1:
-        raise ValueError(f"environment variable {size_var}={world_size} must be >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"environment variable {rank_var}={rank} is not a rank of a world of size "
-            f"{world_size} ({size_var})"
-        )
-    if local_rank < 0:
-        raise ValueError(f"environment variable {local_var}={local_rank} must be >= 0")
-    master_port = _env_int(environ, "MASTER_PORT", default=DEFAULT_MASTER_PORT)
-    if not 0 < master_port < 65536:
-        raise ValueError(f"environment variable MASTER_PORT={master_port} is not a TCP port")
-    return LaunchEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        master_addr=master_addr or DEFAULT_MASTER_ADDR,
-        master_port=master_port,
-        source=source,
-    )
-
 
 # --------------------------------------------------------------------------------------------
 # Heartbeat
