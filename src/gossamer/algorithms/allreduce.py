@@ -6,7 +6,8 @@ replicas stay identical. This is what ``torch.nn.parallel.DistributedDataParalle
 here it is written only against a :class:`~gossamer.comm.Communicator`, so it also runs in the
 simulator.
 
-With a ``compressor`` (and optionally a ``memory``), the gradients are averaged through
+With a ``compression`` (a registered compressor by name, :mod:`gossamer.compress.registry`),
+or a ``compressor`` object (and optionally a ``memory``), the gradients are averaged through
 :class:`~gossamer.compress.CompressedReducer` instead: compensated by the memory, compressed,
 all-reduced or all-gathered as the compressor declares, and decompressed; every worker still
 gets the same average, so the replicas stay identical. Parameters are then visited in the order
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -51,6 +53,8 @@ from gossamer.compress.dgc import (
     take_over_momentum,
 )
 from gossamer.compress.reducer import CompressedReducer, check_node_size
+from gossamer.compress.registry import Compression, parse_compression
+from gossamer.options import option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,8 +64,12 @@ class AllReduce(Algorithm):
     Args:
         bucket_mb: size of the flat gradient buckets in MiB (default 25, as DDP). Higher:
             fewer, larger messages (less latency); lower: more messages.
-        compressor: a :class:`~gossamer.compress.Compressor` (default None: the exact
-            float32 average). Each worker uses its own copy.
+        compression: a registered compressor with its options and memory: a
+            :class:`~gossamer.compress.Compression` or its spec, ``"dgc:ratio=0.001"`` or
+            ``{"name": "dgc", "ratio": 0.001}`` (default None: the exact float32 average).
+            The command line's ``--compressor``.
+        compressor: a :class:`~gossamer.compress.Compressor` object, instead of
+            ``compression`` (default None). Each worker uses its own copy.
         memory: what the compressor did not send, e.g.
             :class:`~gossamer.compress.ErrorFeedback` or :class:`~gossamer.compress.DGCMemory`
             (default None); needs a compressor. A ``DGCMemory(momentum=None)`` takes the
@@ -84,34 +92,55 @@ class AllReduce(Algorithm):
             optimizer.step()  # gradients are averaged here, then SGD steps
 
         # compressed: top 1% of each gradient, the rest kept for later steps
-        AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())
+        AllReduce(compression="topk:ratio=0.01")
+        AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())  # the same
     """
 
     name: ClassVar[str] = "allreduce"
 
-    bucket_mb: float = 25.0  # higher: fewer all-reduce calls, each paying latency once
-    compressor: Compressor | None = None  # None: exact float32 average
-    memory: Memory | None = None  # error feedback / DGC memory; needs a compressor
-    aggregation: str | None = None  # None: the compressor's own way
-    node_size: int = 1  # > 1: dense inside nodes, compressed between them
+    # higher: fewer all-reduce calls, each paying latency once
+    bucket_mb: float = option(25.0, "MiB of gradients per collective")
+    compression: Compression | str | None = option(
+        None, "a compressor spec NAME[:KEY=VALUE...] (see gossamer.compress.registry); none: "
+        "the exact float32 average")
+    compressor: Compressor | None = option(None, "a Compressor object (Python), instead of "
+                                           "compression")
+    memory: Memory | None = option(None, "a Memory object for compressor (error feedback, "
+                                   "DGC's)")
+    aggregation: str | None = option(None, "allreduce or allgather; none: the compressor's own")
+    node_size: int = option(1, "hierarchy: dense all-reduce inside groups of this many "
+                            "consecutive ranks, compressed between them")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
                 and self.bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        if self.compression is not None:
+            object.__setattr__(self, "compression", compression_argument(self.compression))
+            if self.compressor is not None or self.memory is not None:
+                raise ValueError("compression: give either compression= (a registered "
+                                 "compressor by name) or compressor=/memory= objects, not both")
         if self.compressor is not None and not isinstance(self.compressor, Compressor):
             raise ValueError(f"compressor must be a Compressor or None, got {self.compressor!r}")
         if self.memory is not None and not isinstance(self.memory, Memory):
             raise ValueError(f"memory must be a Memory or None, got {self.memory!r}")
         check_node_size(self.node_size)
-        if self.compressor is None:
-            for option, value, default in (("memory", self.memory, None),
-                                           ("aggregation", self.aggregation, None),
-                                           ("node_size", self.node_size, 1)):
+        compressor, _ = self.compressor_and_memory(1)
+        if compressor is None:
+            for name, value, default in (("memory", self.memory, None),
+                                         ("aggregation", self.aggregation, None),
+                                         ("node_size", self.node_size, 1)):
                 if value != default:
-                    raise ValueError(f"{option}={value!r} needs a compressor")
+                    raise ValueError(f"{name}={value!r} needs a compressor")
         else:
-            resolve_aggregation(self.compressor, self.aggregation)
+            resolve_aggregation(compressor, self.aggregation)
+
+    def compressor_and_memory(self, world_size: int) -> tuple[Compressor | None, Memory | None]:
+        """The compressor and memory for ``world_size`` workers: built from ``compression``,
+        or the objects given (each worker copies them); (None, None) without compression."""
+        if isinstance(self.compression, Compression):
+            return self.compression.build(world_size)
+        return self.compressor, self.memory
 
     def validate(self, world_size: int) -> None:
         check_node_size(self.node_size, world_size)
@@ -144,7 +173,8 @@ class AllReduceRuntime(Runtime):
         if dtype not in (torch.float32, torch.float64):  # sums of bits stay exact in these
             dtype = torch.float32
         self.flags = torch.zeros(flag_words(comm.world_size), dtype=dtype, device=device)
-        if config.compressor is None:
+        compressor, memory = config.compressor_and_memory(comm.world_size)
+        if compressor is None:
             # the flags ride at the end of the gradient buffer: no message of their own
             self.buckets = Buckets(self.params + [self.flags], bucket_bytes=bucket_bytes)
             self.flags = self.buckets.views[-1]
@@ -153,7 +183,6 @@ class AllReduceRuntime(Runtime):
         # by name: the same order on every worker, whatever order the model registers them in
         self.named = sorted(((name, p) for name, p in model.named_parameters()
                              if p.requires_grad), key=lambda item: item[0])
-        memory = config.memory
         self.weight_decay: dict[torch.Tensor, float] = {}  # taken over from the optimizer
         self.decay_in_gradient = decay_in_gradient(memory)  # else dense, after the exchange
         if isinstance(memory, DGCMemory):
@@ -164,7 +193,7 @@ class AllReduceRuntime(Runtime):
             else:
                 check_no_momentum(optimizer)
         self.reducer = CompressedReducer(
-            comm, config.compressor, memory, aggregation=config.aggregation,
+            comm, compressor, memory, aggregation=config.aggregation,
             node_size=config.node_size, bucket_bytes=bucket_bytes,
         )
 
@@ -249,3 +278,13 @@ class AllReduceRuntime(Runtime):
         super().load_state_dict(state)
         if self.reducer is not None:
             self.reducer.load_state_dict(state["compression"])
+
+
+def compression_argument(value: Compression | str | Mapping[str, Any]) -> Compression:
+    """The ``compression`` option of a gradient-level method: a registered
+    :class:`~gossamer.compress.Compression` or its spec (ValueError naming ``compression``
+    for anything else, such as a registry algorithm like ``DGC(...)``)."""
+    if isinstance(value, Algorithm):
+        raise ValueError(f"compression: {type(value).__name__} is an algorithm; give a "
+                         f"compressor spec such as {value.name!r} or its Compression")
+    return parse_compression(value)

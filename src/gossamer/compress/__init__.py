@@ -10,13 +10,16 @@ not sent.
   :class:`DGCMemory`.
 - :class:`CompressedReducer` composes them over a communicator; it is what
   ``AllReduce(compressor=..., memory=...)`` and the DDP hooks of :mod:`gossamer.hooks` use.
+- The registry (:mod:`gossamer.compress.registry`): each compressor by name, with its options
+  and memory choice, as a :class:`Compression` (``"dgc:ratio=0.001"``).
 
 Example::
 
     from gossamer.algorithms import AllReduce
-    from gossamer.compress import DGCCompressor, DGCMemory
+    from gossamer.compress import DGCCompressor, DGCMemory, parse_compression
 
     algorithm = AllReduce(compressor=DGCCompressor(ratio=0.001), memory=DGCMemory())
+    algorithm = AllReduce(compression=parse_compression("dgc:ratio=0.001"))  # the same
 """
 
 from gossamer.compress.base import (
@@ -40,6 +43,13 @@ from gossamer.compress.payloads import (
 from gossamer.compress.powersgd import PowerSGD
 from gossamer.compress.qsgd import QSGD
 from gossamer.compress.reducer import CompressedReducer
+from gossamer.compress.registry import (
+    Compression,
+    available_compressors,
+    lookup_compression,
+    parse_compression,
+    with_compression,
+)
 from gossamer.compress.sparse import RandomK, TopK
 
 __all__ = [
@@ -49,6 +59,7 @@ __all__ = [
     "QSGD",
     "Aggregation",
     "CompressedReducer",
+    "Compression",
     "Compressor",
     "DGCCompressor",
     "DGCMemory",
@@ -64,7 +75,11 @@ __all__ = [
     "SharedIndexPayload",
     "SparsePayload",
     "TopK",
+    "available_compressors",
+    "lookup_compression",
+    "parse_compression",
     "resolve_aggregation",
     "take_over_momentum",
     "warmup_density",
+    "with_compression",
 ]

@@ -65,6 +65,7 @@ from gossamer.checks import check_int, check_positive
 from gossamer.compress.base import Aggregation, Compressor, Memory, check_ratio, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 from gossamer.compress.sparse import SparseCompressor, check_numel, selected_count, sparse_values
+from gossamer.options import option
 
 BLOCK_SHIFT = 6
 BLOCK = 1 << BLOCK_SHIFT  # elements per block of the maxima pass (four cache lines)
@@ -146,13 +147,16 @@ class DGCCompressor(SparseCompressor):
 
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
 
-    ratio: float = 0.001  # lower: fewer bytes, more gradient delayed
-    sample_ratio: float = 0.01  # higher: better first threshold, costlier sample
-    warmup_steps: int = 0  # steps of warm-up from 25% density (the paper: 4 epochs)
-    warmup_stages: int = 4  # the density drops at each stage
-    fp16_values: bool = True  # 6 bytes per selected element (False: 8)
-    max_adaptations: int = 3  # threshold adaptations along the sample
-    seed: int = 0
+    ratio: float = option(0.001, "density: fraction of each tensor sent, in (0, 1]; lower: "
+                          "fewer bytes, more gradient delayed")
+    sample_ratio: float = option(0.01, "fraction of the elements sampled to estimate the "
+                                 "threshold; higher: a better first threshold, slower")
+    warmup_steps: int = option(0, "density warm-up: falls exponentially from 25% to ratio over "
+                               "these steps (the paper: 4 epochs)")
+    warmup_stages: int = option(4, "stages of the warm-up (the paper: one per epoch)")
+    fp16_values: bool = option(True, "values as float16: 6 bytes per sent element (false: 8)")
+    max_adaptations: int = option(3, "times the threshold may be lowered along the sample")
+    seed: int = option(0, "seeds the threshold samples")
 
     # internal state: reusable buffers and the last selection's statistics
     _workspace: _Workspace = dataclasses.field(default_factory=_Workspace, init=False,
@@ -310,11 +314,15 @@ class DGCMemory(Memory):
             momentum correction, so it is sparsified, and delayed in ``v`` like the gradient.
     """
 
-    momentum: float | None = None  # None: the optimizer's
-    nesterov: bool = False
-    masking: bool = True  # zero the momentum of sent elements: no stale momentum
-    clip_norm: float | None = None  # per tensor, per worker
-    weight_decay_in_gradient: bool = False  # True: the decay is sparsified with the gradient
+    momentum: float | None = option(None, "momentum correction's m; none: the optimizer's")
+    nesterov: bool = option(False, "Nesterov momentum (with momentum=None: the optimizer's)")
+    masking: bool = option(True, "zero the momentum of the elements just sent (no stale "
+                           "momentum)")
+    clip_norm: float | None = option(None, "clip each tensor's gradient norm to this, per "
+                                     "worker; none: no clipping")
+    weight_decay_in_gradient: bool = option(False, "add the weight decay to the gradient, "
+                                            "sparsified and delayed with it (false: dense and "
+                                            "local, after the exchange)")
 
     # internal state: momentum u and velocity v of each tensor; the weight decay's momentum
     _u: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False,

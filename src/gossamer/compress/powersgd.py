@@ -29,6 +29,7 @@ import torch
 from gossamer.checks import check_int
 from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import LowRankPayload, Payload
+from gossamer.options import option
 
 
 def as_matrix(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,9 +53,10 @@ class PowerSGD(Compressor):
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allreduce",)
     rounds: ClassVar[int] = 2
 
-    rank: int = 2  # lower: fewer bytes, coarser approximation
-    warm_start: bool = True  # reuse last step's Q: better approximations over time
-    seed: int = 0  # the same on every worker: Q must be shared
+    rank: int = option(2, "rank of the approximation; lower: fewer bytes, coarser")
+    warm_start: bool = option(True, "start from the previous step's Q: better approximations "
+                              "over time")
+    seed: int = option(0, "seeds the initial Q, the same on every worker")
 
     # internal state: Q per tensor (warm start); the matrix and P^ between the two rounds
     _q: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, init=False,

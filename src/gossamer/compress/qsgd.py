@@ -26,6 +26,7 @@ import torch
 from gossamer.checks import check_int
 from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import Payload, QuantizedPayload
+from gossamer.options import option
 
 MAX_LEVELS = 2**15 - 1  # 2 s + 1 values must fit in 16 bits
 
@@ -82,9 +83,10 @@ class QSGD(Compressor):
 
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
 
-    levels: int = 127  # lower: fewer bits per element, noisier gradient
-    bucket_size: int = 512  # lower: less variance, more norms to send
-    seed: int = 0
+    levels: int = option(127, "levels per sign (127: 8 bits per element; 7: 4 bits; 1: 2 "
+                         "bits); lower: fewer bits, noisier gradient")
+    bucket_size: int = option(512, "elements per norm; lower: less variance, more norms sent")
+    seed: int = option(0, "seeds the rounding (mixed with the worker's index)")
 
     def __post_init__(self) -> None:
         check_int("levels", self.levels, minimum=1)

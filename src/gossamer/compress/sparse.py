@@ -26,6 +26,7 @@ import torch
 from gossamer.checks import check_int
 from gossamer.compress.base import Aggregation, Compressor, check_ratio, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
+from gossamer.options import option
 
 MAX_NUMEL = 2**31 - 1  # int32 positions on the wire
 
@@ -81,8 +82,9 @@ class TopK(SparseCompressor):
 
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
 
-    ratio: float = 0.01  # lower: fewer bytes, more of the gradient delayed
-    fp16_values: bool = False  # True: 6 bytes per element sent instead of 8
+    ratio: float = option(0.01, "fraction of each tensor sent, in (0, 1]; lower: fewer bytes, "
+                          "more of the gradient delayed")
+    fp16_values: bool = option(False, "values as float16: 6 bytes per element sent instead of 8")
 
     def __post_init__(self) -> None:
         check_ratio("ratio", self.ratio)
@@ -111,8 +113,9 @@ class RandomK(SparseCompressor):
 
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allreduce", "allgather")
 
-    ratio: float = 0.01  # lower: fewer bytes, more of the gradient delayed
-    seed: int = 0  # the same on every worker: the positions are not sent
+    ratio: float = option(0.01, "fraction of each tensor sent, in (0, 1]; lower: fewer bytes, "
+                          "more of the gradient delayed")
+    seed: int = option(0, "seeds the positions, the same on every worker (they are not sent)")
 
     def __post_init__(self) -> None:
         check_ratio("ratio", self.ratio)

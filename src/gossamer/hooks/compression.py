@@ -1,7 +1,9 @@
-"""Gradient compression as DDP comm hooks: DGC, top-k, QSGD and PowerSGD.
+"""Gradient compression as DDP comm hooks: every registered compressor, by name.
 
 For people who already train with ``torch.nn.parallel.DistributedDataParallel``:
-``ddp.register_comm_hook(state, compression_hook)``. Each bucket of gradients that DDP hands
+``ddp.register_comm_hook(CompressionState(ddp, "dgc:ratio=0.001"), compression_hook)``, with
+any compressor spec of :mod:`gossamer.compress.registry` (the same options as
+``--compressor``), or a compressor object and a memory. Each bucket of gradients that DDP hands
 the hook goes through the same :class:`~gossamer.compress.CompressedReducer` as
 ``AllReduce(compressor=..., memory=...)`` (compensate, compress, all-gather or all-reduce,
 decompress, update the memory), so the hook and gossamer's own runtime compute the same
@@ -14,7 +16,7 @@ not depend on how DDP buckets them (DDP rebuilds its buckets after the first ste
 (``GradBucket.is_last()``). Under ``ddp.no_sync()`` DDP does not call the hook.
 
 **Momentum with DGC.** Momentum correction applies the momentum before sparsification, so the
-optimizer must not apply it again: pass ``optimizer=`` to :class:`DGCState` and it takes the
+optimizer must not apply it again: pass ``optimizer=`` to the state and it takes the
 momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over (setting them to 0 there), as
 gossamer's own DGC does; or build the optimizer without them and give ``momentum=`` and
 ``weight_decay=`` to the state. The weight decay is added by each worker to the reduced
@@ -34,8 +36,8 @@ Example::
     dist.init_process_group("gloo")
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    state = DGCState(ddp, ratio=0.001, optimizer=optimizer)
-    ddp.register_comm_hook(state, dgc_hook)
+    state = CompressionState(ddp, "dgc:ratio=0.001", optimizer=optimizer)
+    ddp.register_comm_hook(state, compression_hook)
     for x, y in loader:
         optimizer.zero_grad()
         loss_fn(ddp(x), y).backward()  # the hook averages the compressed gradients here
@@ -46,7 +48,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -61,19 +64,10 @@ from gossamer.algorithms.nonfinite import (
 )
 from gossamer.checks import check_positive
 from gossamer.comm.base import Communicator
-from gossamer.compress import (
-    QSGD,
-    Compressor,
-    DGCCompressor,
-    DGCMemory,
-    ErrorFeedback,
-    Memory,
-    PowerSGD,
-    TopK,
-    take_over_momentum,
-)
+from gossamer.compress import Compressor, DGCMemory, Memory, take_over_momentum
 from gossamer.compress.dgc import apply_weight_decay, decay_in_gradient
 from gossamer.compress.reducer import CompressedReducer
+from gossamer.compress.registry import Compression, parse_compression
 from gossamer.hooks.agreement import HookState
 
 __all__ = [
@@ -98,15 +92,25 @@ class CompressionState(HookState):
 
     Args:
         model: the DDP model (or the module it wraps): its parameter names key the memory.
-        compressor: a :class:`~gossamer.compress.Compressor`.
-        memory: a :class:`~gossamer.compress.Memory`, or None (default).
+        compression: a registered compressor with its options and memory: its spec
+            (``"dgc:ratio=0.001"``, ``{"name": "dgc", "ratio": 0.001}``) or a
+            :class:`~gossamer.compress.Compression`, built as gossamer's AllReduce builds it;
+            or a :class:`~gossamer.compress.Compressor` object, with ``memory``.
+        memory: with a compressor object, a :class:`~gossamer.compress.Memory`, or None
+            (default).
+        optimizer: the training's optimizer. A memory with momentum correction (DGC's) takes
+            the momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over from it
+            (setting them to 0 there), as ``gossamer.distribute`` does; other memories leave
+            it alone (default None).
+        momentum: momentum correction's ``m`` when no optimizer is given (default 0: build
+            the optimizer without momentum and give it here); only for DGC's memory.
+        nesterov: Nesterov momentum when no optimizer is given (default False).
+        weight_decay: ``{param: decay}`` or one number for all (default 0), when no optimizer
+            is given: added by each worker to the reduced gradient, dense and never
+            compressed, through the momentum of a :class:`~gossamer.compress.DGCMemory`; or,
+            with ``weight_decay_in_gradient``, to each gradient before compensation.
         aggregation: ``"allreduce"``, ``"allgather"`` or None (default: the compressor's).
         node_size: ranks per node for hierarchical aggregation (default 1).
-        weight_decay: ``{param: decay}`` or one number for all (default 0), for a memory that
-            applies momentum (the optimizer then has none): added by each worker to the
-            reduced gradient, dense and never compressed, through the momentum of a
-            :class:`~gossamer.compress.DGCMemory`; or, with
-            ``DGCMemory(weight_decay_in_gradient=True)``, to each gradient before compensation.
         comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over
             ``process_group``).
         process_group: DDP's process group (default: the default group); only used when
@@ -115,17 +119,27 @@ class CompressionState(HookState):
             on NCCL); only used when ``comm`` is None.
         scaler: the ``torch.amp.GradScaler`` of the training loop (default None): see the
             module docs.
+
+    Example::
+
+        state = CompressionState(ddp, "topk:ratio=0.01")
+        state = CompressionState(ddp, "dgc:ratio=0.001:warmup_steps=500", optimizer=optimizer)
+        state = CompressionState(ddp, TopK(ratio=0.01), ErrorFeedback())  # objects
+        ddp.register_comm_hook(state, compression_hook)
     """
 
     def __init__(
         self,
         model: nn.Module,
-        compressor: Compressor,
+        compression: Compression | str | Mapping[str, Any] | Compressor,
         memory: Memory | None = None,
         *,
+        optimizer: torch.optim.Optimizer | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float | dict[torch.Tensor, float] = 0.0,
         aggregation: str | None = None,
         node_size: int = 1,
-        weight_decay: float | dict[torch.Tensor, float] = 0.0,
         comm: Communicator | None = None,
         process_group: dist.ProcessGroup | None = None,
         timeout: float | None = None,
@@ -136,18 +150,38 @@ class CompressionState(HookState):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
-        # hyperparameters
-        self.names = {id(p): name for name, p in module.named_parameters()}
-        if isinstance(weight_decay, dict):
-            self.weight_decay = {id(p): float(d) for p, d in weight_decay.items() if d}
-        else:
-            check_positive("weight_decay", weight_decay, allow_zero=True)
-            self.weight_decay = {id(p): float(weight_decay) for p in module.parameters()} \
-                if weight_decay else {}
         if comm is None:
             from gossamer.comm.torch_comm import TorchCommunicator
 
             comm = TorchCommunicator(process_group, timeout=timeout)
+        if isinstance(compression, Compressor):
+            compressor = compression
+        else:
+            if memory is not None:
+                raise ValueError("memory: a registered compressor brings its own memory; give "
+                                 "memory= only with a Compressor object")
+            compressor, memory = parse_compression(compression).build(comm.world_size)
+        # hyperparameters
+        self.names = {id(p): name for name, p in module.named_parameters()}
+        decays: float | dict[torch.Tensor, float] = weight_decay
+        if isinstance(memory, DGCMemory) and memory.momentum is None:
+            if optimizer is not None:
+                if momentum or nesterov or weight_decay:
+                    raise ValueError("optimizer: give either an optimizer to take momentum and "
+                                     "weight decay over from, or momentum=/weight_decay=, not "
+                                     "both")
+                momentum, nesterov, decays = take_over_momentum(optimizer, module.parameters())
+            memory = dataclasses.replace(memory, momentum=momentum, nesterov=nesterov)
+        elif momentum or nesterov:
+            raise ValueError(f"momentum: only a memory with momentum correction (DGC's) "
+                             f"applies it; {type(memory).__name__} does not (leave the "
+                             f"momentum to the optimizer)")
+        if isinstance(decays, dict):
+            self.weight_decay = {id(p): float(d) for p, d in decays.items() if d}
+        else:
+            check_positive("weight_decay", decays, allow_zero=True)
+            self.weight_decay = {id(p): float(decays) for p in module.parameters()} \
+                if decays else {}
         self.reducer = CompressedReducer(comm, compressor, memory, aggregation=aggregation,
                                          node_size=node_size)
 
@@ -219,137 +253,62 @@ def compression_hook(
 compression_hook.__annotations__.update(bucket=dist.GradBucket,
                                         **{"return": torch.futures.Future[torch.Tensor]})
 
+# the hook of every compressor, under the names it had when each had its own
 dgc_hook = compression_hook
 topk_hook = compression_hook
 qsgd_hook = compression_hook
 powersgd_hook = compression_hook
 
 
-class DGCState(CompressionState):
-    """Deep Gradient Compression for :func:`dgc_hook` (see :mod:`gossamer.compress.dgc`).
-
-    Args:
-        model: the DDP model.
-        ratio, sample_ratio, warmup_steps, warmup_stages, fp16_values, seed: those of
-            :class:`~gossamer.compress.DGCCompressor` (defaults 0.001, 0.01, 0, 4, True, 0).
-        optimizer: a ``torch.optim.SGD`` whose momentum, Nesterov and weight decay are taken
-            over (default None: give ``momentum`` and ``weight_decay`` instead).
-        momentum: momentum correction's ``m`` when no optimizer is given (default 0).
-        nesterov: Nesterov momentum when no optimizer is given (default False).
-        weight_decay: weight decay when no optimizer is given (default 0).
-        weight_decay_in_gradient: add the weight decay to each gradient before compression,
-            sparsified and delayed with it (default False: each worker adds it to the reduced
-            gradient, dense, through the momentum). See :class:`~gossamer.compress.DGCMemory`.
-        momentum_masking: zero the momentum of sent elements (default True).
-        clip_norm: local clipping threshold of each tensor's gradient norm on each worker
-            (default None).
-        node_size: hierarchical aggregation (default 1).
-        comm, process_group, timeout, scaler: as :class:`CompressionState`.
+class _NamedState(CompressionState):
+    """A :class:`CompressionState` for the registered compressor :attr:`compression_name`:
+    its options as keywords, with the state's own (``optimizer``, ``node_size``, ``comm``...).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        ratio: float = 0.001,
-        sample_ratio: float = 0.01,
-        warmup_steps: int = 0,
-        warmup_stages: int = 4,
-        fp16_values: bool = True,
-        seed: int = 0,
-        optimizer: torch.optim.Optimizer | None = None,
-        momentum: float = 0.0,
-        nesterov: bool = False,
-        weight_decay: float = 0.0,
-        weight_decay_in_gradient: bool = False,
-        momentum_masking: bool = True,
-        clip_norm: float | None = None,
-        node_size: int = 1,
-        comm: Communicator | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        timeout: float | None = None,
-        scaler: torch.amp.GradScaler | None = None,
-    ) -> None:
-        compressor = DGCCompressor(ratio=ratio, sample_ratio=sample_ratio,
-                                   warmup_steps=warmup_steps, warmup_stages=warmup_stages,
-                                   fp16_values=fp16_values, seed=seed)
-        memory = DGCMemory(momentum=momentum, nesterov=nesterov, masking=momentum_masking,
-                           clip_norm=clip_norm, weight_decay_in_gradient=weight_decay_in_gradient)
-        decays: float | dict[torch.Tensor, float] = weight_decay
-        if optimizer is not None:
-            if momentum or nesterov or weight_decay:
-                raise ValueError("optimizer: give either an optimizer to take momentum and "
-                                 "weight decay over from, or momentum=/weight_decay=, not both")
-            momentum, nesterov, decays = take_over_momentum(optimizer, model.parameters())
-            memory = dataclasses.replace(memory, momentum=momentum, nesterov=nesterov)
-        super().__init__(model, compressor, memory, node_size=node_size, weight_decay=decays,
-                         comm=comm, process_group=process_group, timeout=timeout,
-                         scaler=scaler)
+    compression_name: ClassVar[str]
+
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
+        own = {key: kwargs.pop(key) for key in list(kwargs) if key in _STATE_KEYWORDS}
+        super().__init__(model, parse_compression({"name": self.compression_name, **kwargs}),
+                         **own)
 
 
-class TopKState(CompressionState):
-    """Exact top-k with error feedback for :func:`topk_hook`.
+_STATE_KEYWORDS = frozenset({"optimizer", "momentum", "nesterov", "weight_decay",
+                             "aggregation", "node_size", "comm", "process_group", "timeout",
+                             "scaler"})
 
-    Args:
-        model: the DDP model.
-        ratio: fraction of each tensor sent (default 0.01).
-        error_feedback: keep what was not sent (default True).
-        fp16_values: send values as float16 (default False).
-        comm, process_group, timeout, scaler: as :class:`CompressionState`.
+
+class DGCState(_NamedState):
+    """``CompressionState(model, "dgc", ...)`` with DGC's options as keywords: those of
+    :class:`~gossamer.compress.registry.DGCCompression` (``ratio``, ``sample_ratio``,
+    ``warmup_steps``, ``warmup_stages``, ``momentum_masking``, ``clip_norm`` (global: each of
+    n workers clips at ``clip_norm / sqrt(n)``, as ``--algorithm dgc``), ``fp16_values``,
+    ``weight_decay_in_gradient``, ``seed``) and the keywords of :class:`CompressionState`.
+
+    Example::
+
+        state = DGCState(ddp, ratio=0.001, warmup_steps=500, optimizer=optimizer)
     """
 
-    def __init__(self, model: nn.Module, *, ratio: float = 0.01, error_feedback: bool = True,
-                 fp16_values: bool = False, comm: Communicator | None = None,
-                 process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(model, TopK(ratio=ratio, fp16_values=fp16_values),
-                         ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout,
-                         scaler=scaler)
+    compression_name = "dgc"
 
 
-class QSGDState(CompressionState):
-    """QSGD quantization for :func:`qsgd_hook`.
+class TopKState(_NamedState):
+    """``CompressionState(model, "topk", ...)``: ``ratio``, ``error_feedback``,
+    ``fp16_values`` (:class:`~gossamer.compress.registry.TopKCompression`) as keywords."""
 
-    Args:
-        model: the DDP model.
-        levels: levels per sign (default 127).
-        bucket_size: elements per norm (default 512).
-        error_feedback: keep the quantization error (default False).
-        seed: seeds the rounding (default 0).
-        comm, process_group, timeout, scaler: as :class:`CompressionState`.
-    """
-
-    def __init__(self, model: nn.Module, *, levels: int = 127, bucket_size: int = 512,
-                 error_feedback: bool = False, seed: int = 0, comm: Communicator | None = None,
-                 process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(model, QSGD(levels=levels, bucket_size=bucket_size, seed=seed),
-                         ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout,
-                         scaler=scaler)
+    compression_name = "topk"
 
 
-class PowerSGDState(CompressionState):
-    """PowerSGD with error feedback for :func:`powersgd_hook`.
+class QSGDState(_NamedState):
+    """``CompressionState(model, "qsgd", ...)``: ``levels``, ``bucket_size``,
+    ``error_feedback``, ``seed`` (:class:`~gossamer.compress.registry.QSGDCompression`)."""
 
-    Args:
-        model: the DDP model.
-        rank: rank of the approximation (default 2).
-        warm_start: reuse the previous step's Q (default True).
-        error_feedback: keep what the approximation missed (default True).
-        seed: seeds the initial Q (default 0).
-        comm, process_group, timeout, scaler: as :class:`CompressionState`.
-    """
+    compression_name = "qsgd"
 
-    def __init__(self, model: nn.Module, *, rank: int = 2, warm_start: bool = True,
-                 error_feedback: bool = True, seed: int = 0, comm: Communicator | None = None,
-                 process_group: dist.ProcessGroup | None = None,
-                 timeout: float | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
-        super().__init__(model, PowerSGD(rank=rank, warm_start=warm_start, seed=seed),
-                         ErrorFeedback() if error_feedback else None, comm=comm,
-                         process_group=process_group, timeout=timeout,
-                         scaler=scaler)
+
+class PowerSGDState(_NamedState):
+    """``CompressionState(model, "powersgd", ...)``: ``rank``, ``warm_start``,
+    ``error_feedback``, ``seed`` (:class:`~gossamer.compress.registry.PowerSGDCompression`)."""
+
+    compression_name = "powersgd"
