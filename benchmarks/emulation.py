@@ -17,29 +17,23 @@ which runs :data:`benchmarks.netbench_tasks.TASKS` ``[task["kind"]]`` on a
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gossamer.comm.environment import torchrun_variables, without_launcher
 from gossamer.launch.netem import EmulationUnavailable, LinkSpec, Network, check_prerequisites
+from gossamer.launch.supervisor import Output, Supervisor, describe_exit
 
 __all__ = ["EmulationUnavailable", "WorkerFailed", "require_emulation", "run_task"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MASTER_PORT = 29500  # rank 0's namespace is a machine of its own: nothing else listens there
 COMM_TIMEOUT = 120.0  # seconds any collective or exchange may wait for a peer
-# the variables of an outer launcher, which must not leak into the workers
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 
 class WorkerFailed(RuntimeError):
@@ -80,95 +74,46 @@ def run_task(
         task_path = Path(tmp) / "task.json"
         task_path.write_text(json.dumps(task))
         outs = [Path(tmp) / f"rank{r}.json" for r in range(n)]
-        procs: list[subprocess.Popen] = []
-        tails: list[collections.deque[str]] = [collections.deque(maxlen=40) for _ in range(n)]
-        pumps: list[threading.Thread] = []
-        with Network(links) as net:
-            try:
-                before = [net.counters(r) for r in range(n)]
-                for rank in range(n):
-                    env = _worker_env(net, rank, n, threads)
-                    cmd = [*net.exec_prefix(rank), sys.executable, "-m", "benchmarks.emulation",
-                           "worker", str(task_path), str(outs[rank])]
-                    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-                    procs.append(proc)
-                    pump = threading.Thread(target=_pump, daemon=True,
-                                            args=(proc, tails[rank], echo and rank == 0))
-                    pump.start()
-                    pumps.append(pump)
-                _wait(procs, tails, timeout)
-                after = [net.counters(r) for r in range(n)]
-            finally:
-                _kill(procs)
-                for pump in pumps:
-                    pump.join(timeout=5.0)
+        # rank 0's lines as they come, every rank's in its tail; stopped with SIGKILL at once
+        workers = Supervisor(output=Output(sys.stdout, sys.stdout), grace=0.0)
+        with Network(links) as net, workers:
+            before = [net.counters(r) for r in range(n)]
+            for rank in range(n):
+                cmd = [*net.exec_prefix(rank), sys.executable, "-m", "benchmarks.emulation",
+                       "worker", str(task_path), str(outs[rank])]
+                workers.start(rank, cmd, _worker_env(net, rank, n, threads), cwd=ROOT,
+                              echo="" if echo and rank == 0 else None)
+            outcome = workers.wait(timeout)
+            if outcome.failed is not None:
+                raise WorkerFailed(f"rank {outcome.failed} "
+                                   f"{describe_exit(outcome.codes[outcome.failed])}; its last "
+                                   "lines:\n" + "\n".join(workers.tail(outcome.failed)))
+            if outcome.timed_out:
+                first = outcome.stopped[0]
+                raise WorkerFailed(f"ranks {list(outcome.stopped)} still running after "
+                                   f"{timeout:g} s; rank {first}'s last lines:\n"
+                                   + "\n".join(workers.tail(first)))
+            after = [net.counters(r) for r in range(n)]
         results = []
         for rank, out in enumerate(outs):
             if not out.is_file():
                 raise WorkerFailed(f"rank {rank} exited without a result:\n" +
-                                   "\n".join(tails[rank]))
+                                   "\n".join(workers.tail(rank)))
             results.append(json.loads(out.read_text()))
     traffic = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     return results, traffic
 
 
 def _worker_env(net: Network, rank: int, n: int, threads: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env = without_launcher()
     path = [str(ROOT / "src"), str(ROOT)]
     if env.get("PYTHONPATH"):
         path.append(env["PYTHONPATH"])
-    env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR=net.address(0), MASTER_PORT=str(MASTER_PORT),
+    env.update(torchrun_variables(rank, n, net.address(0), MASTER_PORT, local_rank=0,
+                                  local_world_size=1),
                GLOO_SOCKET_IFNAME=net.interface(rank), OMP_NUM_THREADS=str(threads),
                PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(path))
     return env
-
-
-def _pump(proc: subprocess.Popen, tail: collections.deque[str], echo: bool) -> None:
-    assert proc.stdout is not None
-    with proc.stdout:
-        for raw in iter(proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip()
-            tail.append(line)
-            if echo:
-                print(line, flush=True)
-
-
-def _wait(procs: list[subprocess.Popen], tails: list[collections.deque[str]],
-          timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                time.sleep(0.2)  # the pump's last lines
-                raise WorkerFailed(f"rank {rank} exited with code {code}; its last lines:\n" +
-                                   "\n".join(tails[rank]))
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            running = [r for r, c in enumerate(codes) if c is None]
-            raise WorkerFailed(f"ranks {running} still running after {timeout:g} s; rank "
-                               f"{running[0]}'s last lines:\n" + "\n".join(tails[running[0]]))
-        time.sleep(0.05)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL each worker's process group (its own session) and reap it."""
-    for proc in procs:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    for proc in procs:
-        try:
-            proc.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _worker(task_path: str, out_path: str) -> None:
