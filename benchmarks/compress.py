@@ -1,9 +1,9 @@
 """Gradient compression: compression speed, bytes on the wire, accuracy.
 
-    python -m benchmarks.compress speed --threads 1 --reps 30
-    python -m benchmarks.compress bytes --workers 8
-    python -m benchmarks.compress accuracy --data ../shared/data --dgc-warmup 60
-    python -m benchmarks.compress digits
+    gossamer bench compress speed --threads 1 --reps 30
+    gossamer bench compress bytes --workers 8
+    gossamer bench compress accuracy --data ../shared/data --dgc-warmup 60
+    gossamer bench compress digits
 
 speed: seconds to compress one 25.6M-element float32 gradient (ResNet-50's size) on this CPU
 with DGC (density 0.001), exact top-k (``torch.topk``), random-k, QSGD and PowerSGD (rank 2,
@@ -30,14 +30,21 @@ powersgd; target >= 85% eval accuracy.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS, machine, write_result
+from benchmarks.common import (
+    RUN_DIR_UNSAFE,
+    add_data_argument,
+    add_steps_argument,
+    cnn_bytes,
+    mnist_cnn,
+)
+from gossamer.bench import Results, machine
 
 NUMEL = 25_600_000  # ResNet-50's parameters
 DENSITY = 0.001
@@ -54,7 +61,7 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
-def speed(args: argparse.Namespace) -> None:
+def speed(args: argparse.Namespace, results: Results) -> None:
     from gossamer.compress import QSGD, DGCCompressor, PowerSGD, RandomK, TopK
 
     torch.set_num_threads(args.threads)
@@ -119,8 +126,7 @@ def speed(args: argparse.Namespace) -> None:
         result["dgc_selection"] = vars(selection)
         print(f"DGC selected {selection.selected} of target {selection.target} "
               f"({selection.path})")
-    path = write_result(args.name, result)
-    print(f"wrote {path}")
+    results.write(args.name, result)
 
 
 # ------------------------------------------------------------------------------ bytes
@@ -161,7 +167,7 @@ def bytes_worker(comm, model_name: str) -> dict[str, int]:
     return out
 
 
-def bytes_(args: argparse.Namespace) -> None:
+def bytes_(args: argparse.Namespace, results: Results) -> None:
     from gossamer.comm import SimWorld
 
     rows = []
@@ -194,23 +200,17 @@ def bytes_(args: argparse.Namespace) -> None:
                   f"{r['dense_numel']:,} dense ones {row['payload_ratio_total']:.0f}x; on the "
                   f"wire (ring, n={n}) {row['wire_ratio_compressed']:.0f}x / "
                   f"{row['wire_ratio_total']:.0f}x")
-    print(f"wrote {write_result('compress_bytes', {'rows': rows})}")
+    results.write("compress_bytes", {"rows": rows})
 
 
 # ------------------------------------------------------------------------------ accuracy
 
 
-def accuracy(args: argparse.Namespace) -> None:
-    import re
-
-    from gossamer.train.config import TrainConfig, load_recipe
+def accuracy(args: argparse.Namespace, results: Results) -> None:
     from gossamer.train.loop import run_training
-    from gossamer.train.models import build_model
     from gossamer.train.report import load_metrics, write_report
 
-    recipes = Path(__file__).resolve().parents[1] / "recipes"
-    base = TrainConfig(**load_recipe(recipes / "mnist-cnn.yaml"),
-                       data_path=str(Path(args.data) / "mnist"), quiet=True)
+    base = mnist_cnn(args.data, steps=args.steps)
     torch.set_num_threads(args.threads)
     # the final accuracy is what is compared: evaluate the average only, every 100 steps
     config = base.replace(sim=args.workers, eval_every=100, eval_workers=False)
@@ -219,10 +219,10 @@ def accuracy(args: argparse.Namespace) -> None:
                "powersgd": "powersgd"}
     for steps in args.dgc_warmup:  # DGC with the paper's density warm-up, as extra rows
         entries[f"dgc-warmup{steps}"] = f"{dgc}:warmup_steps={steps}"
-    out = RESULTS / f"compress-mnist-{args.workers}"
+    out = results.folder / f"compress-mnist-{args.workers}"
     runs = {}
     for name, label in entries.items():
-        run_dir = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+        run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
         if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
             algorithm, *pairs = label.split(":")
             options = dict(pair.split("=", 1) for pair in pairs)
@@ -233,7 +233,7 @@ def accuracy(args: argparse.Namespace) -> None:
         runs[name] = load_metrics(run_dir)
         runs[name].name = label
     write_report(list(runs.values()), out, title="gradient compression, MNIST CNN")
-    model_bytes = 4 * sum(p.numel() for p in build_model("cnn", (1, 28, 28), 10).parameters())
+    model_bytes = cnn_bytes()
     reference = runs["allreduce"].final
     rows = []
     for name, run in runs.items():
@@ -249,11 +249,10 @@ def accuracy(args: argparse.Namespace) -> None:
         print(f"{name:15s} acc {100 * final['eval_accuracy']:.2f}% "
               f"({rows[-1]['delta_vs_allreduce_points']:+.2f}) bytes/step "
               f"{per_step / 1e3:.1f} kB = {rows[-1]['bytes_vs_allreduce']:.4f} x AllReduce")
-    path = write_result("compress_accuracy", {"recipe": "recipes/mnist-cnn.yaml", "rows": rows})
-    print(f"wrote {path}")
+    results.write("compress_accuracy", {"recipe": "recipes/mnist-cnn.yaml", "rows": rows})
 
 
-def digits(args: argparse.Namespace) -> None:
+def digits(args: argparse.Namespace, results: Results) -> None:
     from gossamer.train.config import TrainConfig
     from gossamer.train.loop import run_training
 
@@ -267,11 +266,13 @@ def digits(args: argparse.Namespace) -> None:
         print(f"{name:9s} digits, 4 simulated workers, defaults: eval accuracy "
               f"{100 * result['eval_accuracy']:.2f}%, {result['bytes_sent'] / 1e3:.1f} kB sent "
               f"per worker")
-    print(f"wrote {write_result('compress_digits', {'rows': rows})}")
+    results.write("compress_digits", {"rows": rows})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+PARTS = {"speed": speed, "bytes": bytes_, "accuracy": accuracy, "digits": digits}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
     s = sub.add_parser("speed")
     s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -284,19 +285,18 @@ def main() -> None:
     b = sub.add_parser("bytes")
     b.add_argument("--workers", type=int, nargs="+", default=[8])
     a = sub.add_parser("accuracy")
-    a.add_argument("--data", default="../shared/data")
+    add_data_argument(a)
     a.add_argument("--workers", type=int, default=8)
     a.add_argument("--dgc-warmup", type=int, nargs="*", default=[],
                    help="also DGC with these warm-up steps")
     a.add_argument("--reuse", action="store_true", help="keep runs already in the results")
     a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_steps_argument(a)
     d = sub.add_parser("digits")
     d.add_argument("--methods", nargs="+", default=["dgc", "topk", "qsgd", "powersgd"])
-    args = parser.parse_args()
-    RESULTS.mkdir(exist_ok=True)
+
+
+def run(args: argparse.Namespace, results: Results) -> int:
     print(machine())
-    {"speed": speed, "bytes": bytes_, "accuracy": accuracy, "digits": digits}[args.part](args)
-
-
-if __name__ == "__main__":
-    main()
+    PARTS[args.part](args, results)
+    return 0

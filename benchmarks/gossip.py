@@ -1,8 +1,8 @@
 """Gossip methods against AllReduce: accuracy, bytes and simulated speed.
 
-    python -m benchmarks.gossip accuracy --data ../shared/data --workers 8 16
-    python -m benchmarks.gossip accuracy --data ../shared/data --reuse allreduce sgp dpsgd
-    python -m benchmarks.gossip speed --workers 8 32 128 --gbits 1 10 100
+    gossamer bench gossip accuracy --data ../shared/data --workers 8 16
+    gossamer bench gossip accuracy --data ../shared/data --reuse allreduce sgp dpsgd
+    gossamer bench gossip speed --workers 8 32 128 --gbits 1 10 100
 
 accuracy: the MNIST CNN (recipes/mnist-cnn.yaml) with AllReduce, SGP, Overlap SGP, D-PSGD and
 AD-PSGD, the same number of epochs at every worker count (300 steps at 8 workers, 150 at 16);
@@ -19,10 +19,10 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from benchmarks.common import RESULTS, write_result
+from benchmarks.common import add_data_argument, add_steps_argument, cnn_bytes, mnist_cnn
+from gossamer.bench import Results, mlp, new_figure, sgd_step, timed_steps
+from gossamer.bench.models import STAND_IN_MLP
 
 METHODS = ["allreduce", "sgp", "osgp", "dpsgd", "adpsgd"]
 
@@ -40,31 +40,23 @@ def analytic_bytes_per_step(name: str, n: int, model_bytes: int, element: int = 
     raise ValueError(name)
 
 
-def accuracy(args: argparse.Namespace) -> None:
+def accuracy(args: argparse.Namespace, results: Results) -> None:
     from gossamer.train.compare import run_compare
-    from gossamer.train.config import TrainConfig, load_recipe
     from gossamer.train.report import load_metrics
 
-    recipes = Path(__file__).resolve().parents[1] / "recipes"
-    base = TrainConfig(**load_recipe(recipes / "mnist-cnn.yaml"),
-                       data_path=str(Path(args.data) / "mnist"), quiet=True)
+    base = mnist_cnn(args.data, steps=args.steps)
+    model_bytes = cnn_bytes()
     rows = []
     for n in args.workers:
         steps = base.steps * 8 // n  # the same epochs at every worker count
         config = base.replace(sim=n, steps=steps, eval_every=max(1, steps // 6))
-        out = RESULTS / f"gossip-mnist-{n}"
+        out = results.folder / f"gossip-mnist-{n}"
         fresh = [m for m in METHODS if m not in args.reuse or not _finished(out / m)]
         if fresh:
             run_compare(",".join(fresh), config, out)
-        model_bytes = None
         runs = {m: load_metrics(out / m) for m in METHODS}
         for method, run in runs.items():
             final = run.final
-            if model_bytes is None:
-                from gossamer.train.models import build_model
-
-                model = build_model("cnn", (1, 28, 28), 10)
-                model_bytes = 4 * sum(p.numel() for p in model.parameters())
             per_step = final["bytes_sent"] / steps
             rows.append({
                 "workers": n, "method": method, "steps": steps,
@@ -79,8 +71,8 @@ def accuracy(args: argparse.Namespace) -> None:
             print(f"n={n:3d} {method:9s} acc {100 * final['eval_accuracy']:.2f}% "
                   f"({rows[-1]['delta_vs_allreduce_points']:+.2f}) bytes/step "
                   f"{per_step / 1e6:.3f} MB = {rows[-1]['bytes_ratio']:.4f} x minimum")
-        plot_consensus(rows, n, out / "consensus_distance.png")
-    print(f"wrote {write_result('gossip_accuracy', {'rows': rows})}")
+        results.wrote(plot_consensus(rows, n, out / "consensus_distance.png"))
+    results.write("gossip_accuracy", {"rows": rows})
 
 
 def _finished(run: Path) -> bool:
@@ -89,12 +81,8 @@ def _finished(run: Path) -> bool:
     return metrics.exists() and '"kind": "summary"' in metrics.read_text().splitlines()[-1]
 
 
-def plot_consensus(rows: list[dict], n: int, path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 4.2), dpi=120)
-    FigureCanvasAgg(fig)
+def plot_consensus(rows: list[dict], n: int, path: Path) -> Path:
+    fig = new_figure(6.4, 4.2)
     ax = fig.add_subplot()
     for row in rows:
         if row["workers"] != n or row["method"] == "allreduce":
@@ -109,39 +97,35 @@ def plot_consensus(rows: list[dict], n: int, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    print(f"wrote {path}")
-
-
-def _stand_in() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 384), nn.ReLU(), nn.Linear(384, 10))  # 102,538 params
+    return path
 
 
 def speed_worker(comm, method: str, steps: int) -> tuple[float, float]:
-    """(simulated seconds per step, pairwise averagings per step for AD-PSGD)."""
+    """(simulated seconds per step, pairwise averagings per step for AD-PSGD), the first two
+    steps left out (pipelines such as OSGP's fill up)."""
     import gossamer
     from gossamer.algorithms import create
 
-    model = _stand_in()
+    model = mlp(*STAND_IN_MLP)
     algorithm = create(method, {"average_at_end": "false"} if method != "allreduce" else {})
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01), algorithm,
                               comm)
-    x, y = torch.randn(4, 256), torch.randint(0, 10, (4,))
-    start, averaged = 0.0, 0
-    for step in range(steps):
-        if step == 2:  # after warm-up, when pipelines (OSGP) are full
-            start, averaged = comm.clock(), getattr(opt.runtime, "averagings", 0)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-    averagings = getattr(opt.runtime, "averagings", 0) - averaged
-    return (comm.clock() - start) / (steps - 2), averagings / (steps - 2)
+    x, y = torch.randn(4, 256), torch.randint(0, 10, (4,))  # from mlp()'s seed
+    averaged = []
+
+    def count() -> None:
+        averaged.append(getattr(opt.runtime, "averagings", 0))
+
+    times = timed_steps(sgd_step(model, opt, (x, y)), steps - 2, warmup=2, clock=comm.clock,
+                        before_timing=count)
+    averagings = getattr(opt.runtime, "averagings", 0) - averaged[0]
+    return times.per_step, averagings / (steps - 2)
 
 
-def speed(args: argparse.Namespace) -> None:
+def speed(args: argparse.Namespace, results: Results) -> None:
     from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 
-    params = sum(p.numel() for p in _stand_in().parameters())
+    params = sum(p.numel() for p in mlp(*STAND_IN_MLP).parameters())
     scale = 25.6e6 / params
     rows = []
     for n in args.workers:
@@ -153,28 +137,23 @@ def speed(args: argparse.Namespace) -> None:
                 world = SimWorld(n, network=network,
                                  compute=ComputeModel(step_time=args.compute_time,
                                                       jitter=args.jitter), seed=0)
-                results = world.run(speed_worker, method, args.steps)
-                row[method] = max(t for t, _ in results)
+                ranks = world.run(speed_worker, method, args.steps)
+                row[method] = max(t for t, _ in ranks)
                 if method == "adpsgd":
-                    row["adpsgd_averagings_per_step"] = sum(a for _, a in results) / n
+                    row["adpsgd_averagings_per_step"] = sum(a for _, a in ranks) / n
             rows.append(row)
             print(f"n={n:4d} {gbits:5g} Gbit/s: " + "  ".join(
                 f"{m} {row[m]:.3f}s ({row['allreduce'] / row[m]:.2f}x)" for m in METHODS)
                 + f"  adpsgd averagings/step {row['adpsgd_averagings_per_step']:.2f}")
-    plot_speed(rows, RESULTS / f"{args.name}.png")
-    path = write_result(args.name, {"parameters": 25.6e6, "stand_in": params,
-                                         "compute_time": args.compute_time, "jitter": args.jitter,
-                                         "latency": args.latency, "rows": rows})
-    print(f"wrote {path}")
+    results.wrote(plot_speed(rows, results.folder / f"{args.name}.png"))
+    results.write(args.name, {"parameters": 25.6e6, "stand_in": params,
+                              "compute_time": args.compute_time, "jitter": args.jitter,
+                              "latency": args.latency, "rows": rows})
 
 
-def plot_speed(rows: list[dict], path: Path) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
+def plot_speed(rows: list[dict], path: Path) -> Path:
     gbits = sorted({r["gbits"] for r in rows})
-    fig = Figure(figsize=(4.0 * len(gbits), 4.0), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = new_figure(4.0 * len(gbits), 4.0)
     for i, g in enumerate(gbits):
         ax = fig.add_subplot(1, len(gbits), i + 1)
         subset = sorted((r for r in rows if r["gbits"] == g), key=lambda r: r["workers"])
@@ -190,18 +169,18 @@ def plot_speed(rows: list[dict], path: Path) -> None:
             ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-    print(f"wrote {path}")
+    return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="part", required=True)
     a = sub.add_parser("accuracy")
-    a.add_argument("--data", default="../shared/data")
+    add_data_argument(a)
     a.add_argument("--workers", type=int, nargs="+", default=[8, 16])
     a.add_argument("--reuse", nargs="*", default=[], metavar="METHOD",
                    help="methods whose finished runs in benchmarks/results are reused "
                         "instead of run again (e.g. after a change to other methods only)")
+    add_steps_argument(a)
     s = sub.add_parser("speed")
     s.add_argument("--workers", type=int, nargs="+", default=[8, 32, 128])
     s.add_argument("--gbits", type=float, nargs="+", default=[1, 10, 100])
@@ -210,13 +189,8 @@ def main() -> None:
     s.add_argument("--latency", type=float, default=50e-6)
     s.add_argument("--jitter", type=float, default=0.0, help="log-normal spread of step times")
     s.add_argument("--name", default="gossip_speed", help="result file name")
-    args = parser.parse_args()
-    RESULTS.mkdir(exist_ok=True)
-    if args.part == "accuracy":
-        accuracy(args)
-    else:
-        speed(args)
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace, results: Results) -> int:
+    {"accuracy": accuracy, "speed": speed}[args.part](args, results)
+    return 0

@@ -1,7 +1,7 @@
 """Local SGD and QSR against AllReduce: synchronisations, bytes and final quality.
 
-    python -m benchmarks.local_sgd mnist --data ../shared/data --seeds 0 1 2 --naive --threads 1
-    python -m benchmarks.local_sgd text --data ../shared/data --seeds 0 1 --threads 1
+    gossamer bench local_sgd mnist --data ../shared/data --seeds 0 1 2 --naive --threads 1
+    gossamer bench local_sgd text --data ../shared/data --seeds 0 1 --threads 1
 
 mnist: the CNN of recipes/mnist-cnn.yaml (8 simulated workers, SGD with momentum, 20 warm-up
 steps then a cosine decay to 0, 300 steps); text: the character transformer of
@@ -31,13 +31,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, write_result
+from benchmarks.common import ROOT, add_data_argument, recipe_config
+from gossamer.bench import Results, markdown_table, new_figure
 
 if TYPE_CHECKING:
     from gossamer.train.config import TrainConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-FIGURES = Path(__file__).resolve().parent / "figures"
 
 # task: (recipe, data file or folder under --data, the quality metric, QSR's (H_base, alpha)).
 # alpha is picked so that (alpha / peak lr) ** 2 is about H_base: H starts at H_base and grows
@@ -143,18 +141,16 @@ def finished(out: Path, names: list[str], base: TrainConfig) -> bool:
                for run in runs.values())
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, results: Results) -> int:
     from gossamer.train.compare import run_compare
-    from gossamer.train.config import TrainConfig, load_recipe
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     recipe, data, metric, qsr = TASKS[args.task]
     qsr = args.qsr or qsr
-    base = TrainConfig(**{**load_recipe(ROOT / "recipes" / recipe),
-                          "data_path": str(Path(args.data) / data),
-                          "eval_every": args.eval_every or (25 if args.task == "mnist" else 50),
-                          "eval_workers": False, "quiet": False})
-    if args.steps:  # a shorter check of the benchmark itself
-        base = base.replace(steps=args.steps)
+    base = recipe_config(recipe, args.data / data, steps=args.steps or None,
+                         eval_every=args.eval_every or (25 if args.task == "mnist" else 50),
+                         eval_workers=False, quiet=False)
     names = entries(base.warmup_steps, qsr, args.naive)
     schedules = {}
     for name in names:
@@ -166,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"{display(name):40s} H after each average: {run_lengths(schedules[name][0])}")
     rows = []
     for seed in args.seeds:
-        out = RESULTS / f"local_sgd-{args.task}-seed{seed}"
+        out = results.folder / f"local_sgd-{args.task}-seed{seed}"
         if args.reuse and finished(out, names, base.replace(seed=seed)):
             print(f"seed {seed}: reusing the finished runs in {out}")
         else:
@@ -198,20 +194,20 @@ def run(args: argparse.Namespace) -> None:
                   f"bytes {rows[-1]['bytes_vs_allreduce']:.3f}x  "
                   f"acc {100 * final['eval_accuracy']:.2f}%  loss {final['eval_loss']:.4f}")
     print_table(rows, names, metric)
-    figure = FIGURES / f"local_sgd_{args.task}.png"
-    plot(rows, names, metric, args.seeds[0], f"{args.task}, {base.sim} simulated workers, "
-         f"{base.steps} steps, cosine lr", figure)
-    path = write_result(f"local_sgd_{args.task}", {
+    figure = results.figure_path(f"local_sgd_{args.task}.png")
+    results.wrote(plot(rows, names, metric, args.seeds[0], f"{args.task}, {base.sim} simulated "
+                       f"workers, {base.steps} steps, cosine lr", figure))
+    results.write(f"local_sgd_{args.task}", {
         "task": args.task, "config": base.as_dict(), "metric": metric, "seeds": args.seeds,
-        "figure": str(figure.relative_to(ROOT)), "rows": rows})
-    print(f"wrote {path}")
+        "figure": str(figure.relative_to(ROOT) if figure.is_relative_to(ROOT) else figure),
+        "rows": rows})
+    return 0
 
 
 def print_table(rows: list[dict], names: list[str], metric: str) -> None:
     """The markdown table of BENCHMARKS.md: the mean over seeds, and min-max with several."""
     label = "eval accuracy" if metric == "eval_accuracy" else "validation loss"
-    print(f"\n| method | synchronisations | vs AllReduce | bytes / worker | vs AllReduce "
-          f"| {label} | vs AllReduce |\n|---|---|---|---|---|---|---|")
+    cells = []
     for name in names:
         mine = [r for r in rows if r["entry"] == name]
         values = [r[metric] for r in mine]
@@ -226,22 +222,20 @@ def print_table(rows: list[dict], names: list[str], metric: str) -> None:
             spread = f" ({min(values):.4f}-{max(values):.4f})" if len(mine) > 1 else ""
             change = f"{delta:+.4f}"
         first = mine[0]
-        print(f"| {first['method']} | {first['synchronizations']} | "
-              f"{100 * first['syncs_vs_allreduce']:.1f}% | "
-              f"{sum(r['bytes_sent'] for r in mine) / len(mine) / 1e6:.1f} MB | "
-              f"{sum(r['bytes_vs_allreduce'] for r in mine) / len(mine):.3f} | "
-              f"{quality}{spread} | {'—' if name == 'allreduce' else change} |")
-    print()
+        cells.append([first["method"], first["synchronizations"],
+                      f"{100 * first['syncs_vs_allreduce']:.1f}%",
+                      f"{sum(r['bytes_sent'] for r in mine) / len(mine) / 1e6:.1f} MB",
+                      f"{sum(r['bytes_vs_allreduce'] for r in mine) / len(mine):.3f}",
+                      f"{quality}{spread}", "—" if name == "allreduce" else change])
+    header = ["method", "synchronisations", "vs AllReduce", "bytes / worker", "vs AllReduce",
+              label, "vs AllReduce"]
+    print("\n" + "\n".join(markdown_table(header, cells)) + "\n")
 
 
 def plot(rows: list[dict], names: list[str], metric: str, seed: int, title: str,
-         path: Path) -> None:
+         path: Path) -> Path:
     """Quality against synchronisations, and the period H against the step."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), dpi=120)
-    FigureCanvasAgg(fig)
+    fig = new_figure(11, 4.2)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for i, name in enumerate(names):
         row = next(r for r in rows if r["entry"] == name and r["seed"] == seed)
@@ -268,9 +262,8 @@ def plot(rows: list[dict], names: list[str], metric: str, seed: int, title: str,
     right.set_title(f"averaging period (seed {seed})", fontsize=9)
     right.grid(alpha=0.3)
     fig.tight_layout()
-    path.parent.mkdir(exist_ok=True)
     fig.savefig(path)
-    print(f"wrote {path}")
+    return path
 
 
 def _qsr_spec(text: str) -> tuple[int, float]:
@@ -280,11 +273,9 @@ def _qsr_spec(text: str) -> tuple[int, float]:
     return int(base), float(alpha)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("task", choices=sorted(TASKS))
-    parser.add_argument("--data", default="../shared/data",
-                        help="folder holding mnist/ and tinyshakespeare.txt")
+    add_data_argument(parser)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--qsr", type=_qsr_spec, nargs="+", default=None, metavar="H_BASE:ALPHA",
                         help="QSR settings to run (default: the task's, see TASKS)")
@@ -297,11 +288,3 @@ def main() -> None:
                         help="skip a seed whose finished runs of the same settings are on disk")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 on a shared machine")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run(args)
-
-
-if __name__ == "__main__":
-    main()

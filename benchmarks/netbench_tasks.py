@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gossamer.bench import mlp, timed_steps
+from gossamer.bench.models import NETBENCH_MLP
+
 # label -> (registry name, options). WAGMA's default group is 4 workers, at 4 workers the whole
 # world (3 model copies sent per step); groups of 2 (sqrt(4)) keep it a group method.
 ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -38,18 +41,7 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "powersgd": ("powersgd", {}),
     "gossipgrad": ("gossipgrad", {}),
 }
-MLP_WIDTHS = (784, 2048, 2048, 10)  # 5,824,522 parameters: 23.3 MB of float32
-
-
-def mlp() -> nn.Module:
-    """The benchmark's model: an MLP 784-2048-2048-10 on MNIST-shaped input."""
-    torch.manual_seed(0)  # the same initial model on every worker
-    layers: list[nn.Module] = []
-    for i in range(len(MLP_WIDTHS) - 1):
-        layers.append(nn.Linear(MLP_WIDTHS[i], MLP_WIDTHS[i + 1]))
-        if i < len(MLP_WIDTHS) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+MLP_WIDTHS = NETBENCH_MLP  # 784-2048-2048-10 on MNIST-shaped input: 23.3 MB of float32
 
 
 def machine_busy(since: tuple[int, int] | None = None):
@@ -195,8 +187,8 @@ def training_steps(
     straggler: dict[str, float] | None = None,
     simulated: bool = False,
 ) -> dict[str, Any]:
-    """Train :func:`mlp` with ``algorithm`` (a key of :data:`ALGORITHMS`) on a fixed random
-    batch; time ``steps`` steps after ``warmup``, on this rank's own clock.
+    """Train the MLP of :data:`MLP_WIDTHS` with ``algorithm`` (a key of :data:`ALGORITHMS`) on
+    a fixed random batch; time ``steps`` steps after ``warmup``, on this rank's own clock.
 
     ``straggler`` ({rank: factor}, gloo only): that rank sleeps ``factor - 1`` times the
     median of its forward-backward time so far after each backward, so its compute takes
@@ -213,7 +205,7 @@ def training_steps(
     from gossamer.algorithms import create
 
     name, options = ALGORITHMS[algorithm]
-    model = mlp()
+    model = mlp(*MLP_WIDTHS)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer_time = [0.0, 0.0]  # running total, start of the current step
 
@@ -232,18 +224,14 @@ def training_steps(
     factor = (straggler or {}).get(str(comm.rank), 1.0) if not simulated else 1.0
     fixed = [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()] \
         if simulated else None
+    timer = None if simulated else CommTimer.of(comm)
+    # per step, the warm-up's included
     forward_backward: list[float] = []
     computes: list[float] = []
-    locals_: list[float] = []  # per timed step: its time outside the communicator
-    timer = None if simulated else CommTimer.of(comm)
-    comm.barrier()
-    start, sent0, cpu0, busy0, comm0 = comm.clock(), comm.stats.total_bytes_sent, 0.0, None, 0.0
-    for step in range(warmup + steps):
-        if step == warmup:
-            start, sent0 = comm.clock(), comm.stats.total_bytes_sent
-            cpu0, busy0 = time.process_time(), None if simulated else machine_busy()
-            comm0 = timer.total if timer else 0.0
-        t0, clock0, comm_before = time.perf_counter(), comm.clock(), timer.total if timer else 0.0
+    in_comm_steps: list[float] = []  # real time inside the communicator's calls
+
+    def step() -> None:
+        t0, comm_before = time.perf_counter(), timer.total if timer else 0.0
         if fixed is None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -256,22 +244,33 @@ def training_steps(
         compute = time.perf_counter() - t0
         before = optimizer_time[0]
         opt.step()
-        if step >= warmup:
-            computes.append(compute + optimizer_time[0] - before)
-            in_step = (timer.total - comm_before) if timer else 0.0
-            locals_.append(comm.clock() - clock0 - in_step)
-    elapsed = comm.clock() - start
-    in_comm = (timer.total - comm0) if timer else 0.0
-    cpu = time.process_time() - cpu0
-    busy = None if busy0 is None else machine_busy(busy0)
-    sent = comm.stats.total_bytes_sent - sent0
+        computes.append(compute + optimizer_time[0] - before)
+        in_comm_steps.append((timer.total - comm_before) if timer else 0.0)
+
+    at_start: dict[str, Any] = {}
+
+    def before_timing() -> None:
+        at_start.update(sent=comm.stats.total_bytes_sent, cpu=time.process_time(),
+                        busy=None if simulated else machine_busy(),
+                        comm=timer.total if timer else 0.0)
+
+    comm.barrier()
+    times = timed_steps(step, steps, warmup=warmup, clock=comm.clock,
+                        before_timing=before_timing)
+    elapsed = times.elapsed
+    in_comm = (timer.total - at_start["comm"]) if timer else 0.0
+    cpu = time.process_time() - at_start["cpu"]
+    busy = None if at_start["busy"] is None else machine_busy(at_start["busy"])
+    sent = comm.stats.total_bytes_sent - at_start["sent"]
+    # per timed step: its time outside the communicator
+    locals_ = [t - c for t, c in zip(times.seconds, in_comm_steps[warmup:], strict=True)]
     opt.finish()
     return {
         "rank": comm.rank,
         "algorithm": algorithm,
         "seconds_per_step": elapsed / steps,
         # forward, backward (and a straggler's sleep) and the inner optimizer's step: median
-        "compute_per_step": statistics.median(computes),
+        "compute_per_step": statistics.median(computes[warmup:]),
         # real time inside the communicator's calls, and the rest of the step: local work
         "comm_per_step": in_comm / steps,
         "local_per_step": (elapsed - in_comm) / steps,

@@ -1,5 +1,16 @@
-"""gossamer on an emulated network: collectives, training steps, the simulator, stragglers,
-time to accuracy (issue 8). Run it with ``python -m benchmarks.run [--quick]``.
+"""The network suite: collectives, steps, simulator, stragglers, accuracy on emulated links.
+
+gossamer on an emulated network (issue 8): collectives, training steps, the simulator,
+stragglers, time to accuracy.
+
+    gossamer bench network --quick          # every part, under 20 minutes on 2 cores
+    gossamer bench network                  # full: more sizes, steps and repetitions
+    gossamer bench network --quick --parts b c
+
+Needs Linux, root, iproute2 (ip, tc) and the tbf qdisc; without them it says so and exits with
+code 2. Writes ``benchmarks/results/network_{a..e}.json``, figures to ``benchmarks/figures/``
+and the markdown draft ``benchmarks/results/network_section.md``. Ctrl-C stops it; the
+emulated network is removed either way.
 
 Every worker is a gloo process in a Linux network namespace of its own, joined to the others
 by a veth link to a bridge; tc's token bucket (``tbf``) limits each link's upload and download
@@ -25,19 +36,22 @@ what the stack and the processes add.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, machine, write_result
+from benchmarks import network_report
+from benchmarks.common import add_data_argument
+from benchmarks.network_model import all_reduce_model, fitted_network, nominal_network
+from gossamer.bench import Results, machine
 
-FIGURES = Path(__file__).resolve().parent / "figures"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MB = 10**6
 PARTS = ("a", "b", "c", "d", "e")
 
@@ -132,19 +146,6 @@ def _run(links, task: dict[str, Any], timeout: float) -> tuple[list[dict], list[
 # --------------------------------------------------------------------------------------------
 
 
-def nominal_network(gbits: float):
-    """The alpha-beta model of a link of ``gbits``: its rate, NetworkModel's default latency."""
-    from gossamer.comm import NetworkModel
-
-    return NetworkModel(bandwidth=gbits * 1e9 / 8)
-
-
-def all_reduce_model(n: int, nbytes: int, network) -> float:
-    from gossamer.comm.cost import ring_all_reduce_time
-
-    return ring_all_reduce_time(n, nbytes // 4, 4, network, list(range(n)))
-
-
 def part_a(settings: Settings) -> dict[str, Any]:
     from gossamer.comm.cost import fit_ring_all_reduce
 
@@ -199,16 +200,6 @@ def part_a(settings: Settings) -> dict[str, Any]:
     for r in p2p:
         r["model"] = nominal_network(r["gbits"]).message_time(0, 1, r["bytes"])
     return {"rows": rows, "p2p": p2p, "mtu_rows": mtu_rows, "fits": fits}
-
-
-def fitted_network(a: dict[str, Any], n: int, gbits: float):
-    """The NetworkModel fitted in (a) to ``n`` workers' all-reduces at ``gbits``."""
-    from gossamer.comm import NetworkModel
-
-    for fit in a["fits"]:
-        if fit["gbits"] == gbits and fit["workers"] == [n]:
-            return NetworkModel(latency=fit["latency"], bandwidth=fit["bandwidth"])
-    raise ValueError(f"(a) has no fit for {n} workers at {gbits:g} Gbit/s: run part a first")
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,10 +429,11 @@ def check_mnist(data: Path) -> None:
                              "--data DIR, the folder that holds mnist/)")
 
 
-def load_part(part: str, mode: str, required: bool = True) -> dict[str, Any] | None:
-    """Part ``part``'s saved result of a run in ``mode`` (None, or ValueError if
+def load_part(folder: Path, part: str, mode: str,
+              required: bool = True) -> dict[str, Any] | None:
+    """Part ``part``'s saved result in ``folder`` of a run in ``mode`` (None, or ValueError if
     ``required``, when there is none)."""
-    path = RESULTS / f"network_{part}.json"
+    path = folder / f"network_{part}.json"
     saved = json.loads(path.read_text()) if path.is_file() else None
     if saved is None or saved.get("mode") != mode:
         if required:
@@ -451,7 +443,7 @@ def load_part(part: str, mode: str, required: bool = True) -> dict[str, Any] | N
     return saved["result"]
 
 
-def run_suite(settings: Settings, parts: list[str], data: Path, command: str) -> int:
+def run_suite(settings: Settings, parts: list[str], data: Path, results: Results) -> int:
     """Run ``parts``, write each one's JSON, the figures and the markdown draft; the exit
     code (1 when a part failed)."""
     from benchmarks.emulation import EmulationUnavailable, WorkerFailed, require_emulation
@@ -473,13 +465,16 @@ def run_suite(settings: Settings, parts: list[str], data: Path, command: str) ->
         check_mnist(data)
     _say(f"network benchmarks, {settings.mode} mode, parts {' '.join(parts)}; {machine()}")
     started = time.perf_counter()
-    results: dict[str, Any] = {}
+    done: dict[str, Any] = {}
     failed = []
+
+    def saved(part: str) -> dict[str, Any] | None:  # this run's, else an earlier one's
+        return done.get(part) or load_part(results.folder, part, settings.mode)
+
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("a", lambda: part_a(settings)),
         ("b", lambda: part_b(settings)),
-        ("c", lambda: part_c(settings, results.get("a") or load_part("a", settings.mode),
-                             results.get("b") or load_part("b", settings.mode))),
+        ("c", lambda: part_c(settings, saved("a"), saved("b"))),
         ("d", lambda: part_d(settings)),
         ("e", lambda: part_e(settings, data)),
     ]
@@ -488,34 +483,56 @@ def run_suite(settings: Settings, parts: list[str], data: Path, command: str) ->
             continue
         t0 = time.perf_counter()
         try:
-            results[part] = fn()
+            done[part] = fn()
         except (WorkerFailed, ValueError, RuntimeError) as exc:
             _say(f"part {part} failed: {type(exc).__name__}: {exc}")
             failed.append(part)
             continue
         if part == "d" and settings.sim_stragglers:
             try:
-                results[part]["simulated"] = simulate_stragglers(
-                    settings, results.get("a") or load_part("a", settings.mode), results[part])
+                done[part]["simulated"] = simulate_stragglers(settings, saved("a"), done[part])
             except (ValueError, RuntimeError) as exc:
                 _say(f"part d's simulation failed: {type(exc).__name__}: {exc}")
         seconds = time.perf_counter() - t0
-        path = write_result(f"network_{part}", {
-            "command": command, "mode": settings.mode, "seconds": seconds,
-            "settings": dataclasses.asdict(settings), "result": results[part]})
+        path = results.write(f"network_{part}", {
+            "mode": settings.mode, "seconds": seconds,
+            "settings": dataclasses.asdict(settings), "result": done[part]})
         _say(f"part {part} done in {seconds:.0f} s: {path}")
     total = time.perf_counter() - started
-    from benchmarks import network_report
-
-    available = {p: results[p] if p in results else load_part(p, settings.mode, False)
+    available = {p: done[p] if p in done else load_part(results.folder, p, settings.mode, False)
                  for p in PARTS}
-    FIGURES.mkdir(exist_ok=True)
-    for path in network_report.plots(available, settings, FIGURES):
-        _say(f"figure: {path}")
-    text = network_report.markdown(available, settings, command, total, machine())
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "network_section.md"
+    results.figures.mkdir(parents=True, exist_ok=True)
+    for path in network_report.plots(available, settings, results.figures):
+        results.wrote(path)
+    text = network_report.markdown(available, settings, results.command, total, machine())
+    out = results.folder / "network_section.md"
     out.write_text(text)
-    _say(f"markdown draft: {out}")
+    results.wrote(out)
     _say(f"total {total:.0f} s ({total / 60:.1f} min)")
     return 1 if failed else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes, steps and repetitions (under 20 minutes)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="which parts to run (default: all); c reuses a's and b's saved "
+                        "results of the same mode when they are not run")
+    add_data_argument(parser)
+
+
+def run(args: argparse.Namespace, results: Results) -> int:
+    settings = QUICK if args.quick else FULL
+    parts = [p for p in PARTS if p in args.parts]
+    try:
+        return run_suite(settings, parts, args.data, results)
+    except KeyboardInterrupt:
+        print("interrupted; the emulated network (if any) was removed", file=sys.stderr)
+        return 130
+    except BaseException as exc:
+        from gossamer.launch.netem import Interrupted
+
+        if isinstance(exc, Interrupted):
+            print(f"{exc} received; the emulated network was removed", file=sys.stderr)
+            return exc.exit_code
+        raise

@@ -9,14 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks.netbench_tasks import ALGORITHMS
+from benchmarks.network_model import all_reduce_model, nominal_network
+from gossamer.bench import new_figure
+
 MB = 10**6
 SIM_TARGET = 0.15  # (c): predicted time per step within 15% of the measured
 SPEEDUP_FLAG = 0.20  # emulated and predicted speed-ups that differ by more are flagged
 
 
 def _options(algorithm: str) -> str:
-    from benchmarks.netbench_tasks import ALGORITHMS
-
     name, options = ALGORITHMS[algorithm]
     text = ":".join([name] + [f"{k}={v}" for k, v in options.items()])
     return f"`{text}`"
@@ -41,15 +43,6 @@ def _pct(x: float) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=120)
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def plots(parts: dict[str, Any], settings, folder: Path) -> list[Path]:
     """Write the figures of the parts that are there; their paths."""
     out = []
@@ -67,7 +60,7 @@ def plots(parts: dict[str, Any], settings, folder: Path) -> list[Path]:
 
 def _plot_collectives(a: dict[str, Any], path: Path) -> Path:
     gbits = sorted({r["gbits"] for r in a["rows"]})
-    fig = _figure(5.0 * len(gbits), 4.2)
+    fig = new_figure(5.0 * len(gbits), 4.2)
     for i, g in enumerate(gbits):
         ax = fig.add_subplot(1, len(gbits), i + 1)
         for n in sorted({r["workers"] for r in a["rows"]}):
@@ -94,7 +87,7 @@ def _plot_collectives(a: dict[str, Any], path: Path) -> Path:
 
 def _plot_steps(b: dict[str, Any], c: dict[str, Any] | None, path: Path) -> Path:
     algorithms = list(b["algorithms"])
-    fig = _figure(9.0, 4.2)
+    fig = new_figure(9.0, 4.2)
     ax = fig.add_subplot()
     xs = range(len(algorithms))
     width = 0.4 if c else 0.8
@@ -125,7 +118,7 @@ def _finish_bars(fig, ax, algorithms: list[str], ylabel: str, title: str, path: 
 
 def _plot_stragglers(b: dict[str, Any], d: dict[str, Any], settings, path: Path) -> Path:
     algorithms = list(b["algorithms"])
-    fig = _figure(9.0, 4.2)
+    fig = new_figure(9.0, 4.2)
     ax = fig.add_subplot()
     xs = range(len(algorithms))
     for k, (key, label) in enumerate((
@@ -145,7 +138,7 @@ def _plot_stragglers(b: dict[str, Any], d: dict[str, Any], settings, path: Path)
 
 
 def _plot_accuracy(e: dict[str, Any], settings, path: Path) -> Path:
-    fig = _figure(7.0, 4.5)
+    fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for i, (algorithm, run) in enumerate(e["algorithms"].items()):
         history = run["history"]
@@ -279,8 +272,6 @@ def _section_a(a: dict[str, Any], s) -> list[str]:
             "| Gbit/s | MTU | workers | size | measured ms | model ms | measured / model |",
             "|---|---|---|---|---|---|---|",
         ]
-        from benchmarks.network import all_reduce_model, nominal_network
-
         for r in sorted(a["mtu_rows"], key=lambda r: (r["gbits"], r["mtu"])):
             model = all_reduce_model(r["workers"], r["bytes"], nominal_network(r["gbits"]))
             lines.append(f"| {r['gbits']:g} | {r['mtu']} | {r['workers']} | "

@@ -1,26 +1,21 @@
-"""SimWorld overhead: real time of one simulated AllReduce step of n workers, against n times
-one bare step of the same model without any communication (target <= 1.5 at n = 64), and the
-largest worker counts the simulator handles.
+"""SimWorld overhead: real time of a simulated step of n workers against n bare steps.
 
-    python -m benchmarks.sim_overhead --workers 64 256 1024
+Real time of one simulated AllReduce step of n workers, against n times one bare step of the
+same model without any communication (target <= 1.5 at n = 64), and the largest worker counts
+the simulator handles.
+
+    gossamer bench sim_overhead --workers 64 256 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from benchmarks.common import write_result
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))  # digits' MLP
+from gossamer.bench import Results, mlp, sgd_step, timed_steps
+from gossamer.bench.models import DIGITS_MLP
 
 
 def batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,51 +24,33 @@ def batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def bare_step_seconds(steps: int, size: int) -> float:
-    model = make_model()
+    """Median real time of one step of the model alone (after 10 untimed steps)."""
+    model = mlp(*DIGITS_MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = batch(0, size)
-    times = []
-    for i in range(steps + 10):
-        start = time.perf_counter()
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if i >= 10:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed_steps(sgd_step(model, opt, batch(0, size)), steps, warmup=10).median
 
 
 def sim_worker(comm, steps: int, size: int) -> float:
+    """Real seconds per step of one simulated worker, all workers' steps included."""
     import gossamer
 
-    model = make_model()
+    model = mlp(*DIGITS_MLP)
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                               "allreduce", comm)
-    x, y = batch(comm.rank, size)
-
-    def step():
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    for _ in range(3):  # warm-up
-        step()
-    comm.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
+    step = sgd_step(model, opt, batch(comm.rank, size))
+    return timed_steps(step, steps, warmup=3, before_timing=comm.barrier).per_step
 
 
-def main() -> None:
-    from gossamer.comm import SimWorld
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace, results: Results) -> int:
+    from gossamer.comm import SimWorld
+
     torch.set_num_threads(1)
     rows = []
     for n in args.workers:
@@ -90,10 +67,6 @@ def main() -> None:
         rows.append(row)
         print(f"{n} workers: simulated step {row['simulated_step_ms']:.1f} ms, "
               f"{n} x bare step {n * row['bare_step_ms']:.1f} ms, ratio {row['ratio']:.2f}")
-    path = write_result("sim_overhead", {"batch": args.batch, "steps": args.steps,
-                                         "threads": 1, "rows": rows})
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+    results.write("sim_overhead", {"batch": args.batch, "steps": args.steps, "threads": 1,
+                                   "rows": rows})
+    return 0

@@ -1,7 +1,7 @@
 """WAGMA against AllReduce, local SGD and SGP with one straggler: steps per second.
 
-    python -m benchmarks.wagma sim --workers 8 --steps 100
-    python -m benchmarks.wagma gloo --workers 4 --steps 60
+    gossamer bench wagma sim --workers 8 --steps 100
+    gossamer bench wagma gloo --workers 4 --steps 60
 
 sim: SimWorld with 10 ms of compute per step (20% jitter) and a 1 Gbit/s network; rank 3
 takes 4x as long. Each method trains the same small MLP for the same number of steps; the
@@ -18,10 +18,9 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from benchmarks.common import write_result
+from gossamer.bench import Results, markdown_table, mlp, sgd_step, timed_steps
+from gossamer.bench.models import WAGMA_MLP
 
 METHODS = {
     "allreduce": ("allreduce", {}),
@@ -34,28 +33,21 @@ METHODS = {
 }
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
 def _train(comm, name: str, options: dict, steps: int, sleep: float = 0.0):
     import gossamer
     from gossamer.algorithms import create
 
-    model = _model()
+    model = mlp(*WAGMA_MLP)
     opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
                               create(name, options), comm)
     g = torch.Generator().manual_seed(comm.rank)
-    start = comm.clock()
-    for _ in range(steps):
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        if sleep:
-            time.sleep(sleep)
-        opt.step()
-    duration = comm.clock() - start
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:  # a fresh one every step
+        return torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+    step = sgd_step(model, opt, batch, after_backward=(lambda: time.sleep(sleep)) if sleep
+                    else None)
+    duration = timed_steps(step, steps, clock=comm.clock).elapsed
     opt.finish()
     return {"duration": duration, "bytes": comm.stats.total_bytes_sent}
 
@@ -67,7 +59,7 @@ def _summary(results: list[dict], steps: int, straggler: int) -> dict:
             "bytes_per_worker_step": sum(r["bytes"] for r in results) / len(results) / steps}
 
 
-def sim(args: argparse.Namespace) -> None:
+def sim(args: argparse.Namespace, results: Results) -> None:
     from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 
     rows = []
@@ -81,7 +73,7 @@ def sim(args: argparse.Namespace) -> None:
         rows.append(row)
         print(f"{label:18s} fast {row['straggler']['fast_steps_per_s']:7.1f} steps/s with "
               f"straggler, {row['none']['fast_steps_per_s']:7.1f} without", flush=True)
-    _report("sim", rows, args)
+    _report("sim", rows, args, results)
 
 
 def _gloo_worker(name: str, options: dict, steps: int, base: float):
@@ -94,51 +86,45 @@ def _gloo_worker(name: str, options: dict, steps: int, base: float):
         comm.close()
 
 
-def gloo(args: argparse.Namespace) -> None:
+def gloo(args: argparse.Namespace, results: Results) -> None:
     from gossamer.testing import spawn_gloo
 
     rows = []
     for label, (name, options) in METHODS.items():
-        results = spawn_gloo(_gloo_worker, args.workers, args=(name, options, args.steps, 0.02),
-                             timeout=600)
-        row = {"method": label, "straggler": _summary(results, args.steps, 3)}
+        ranks = spawn_gloo(_gloo_worker, args.workers, args=(name, options, args.steps, 0.02),
+                           timeout=600)
+        row = {"method": label, "straggler": _summary(ranks, args.steps, 3)}
         rows.append(row)
         print(f"{label:18s} fast {row['straggler']['fast_steps_per_s']:7.1f} steps/s, "
               f"straggler {row['straggler']['straggler_steps_per_s']:6.1f}", flush=True)
-    _report("gloo", rows, args)
+    _report("gloo", rows, args, results)
 
 
-def _report(kind: str, rows: list[dict], args: argparse.Namespace) -> None:
+def _report(kind: str, rows: list[dict], args: argparse.Namespace, results: Results) -> None:
     base = rows[0]["straggler"]["fast_steps_per_s"]
-    print(f"\n| method | fast workers, steps/s | vs AllReduce | straggler, steps/s |"
-          f"{' no straggler, steps/s |' if kind == 'sim' else ''} bytes/worker/step |")
-    print(f"|---|---|---|---|{'---|' if kind == 'sim' else ''}---|")
+    header = ["method", "fast workers, steps/s", "vs AllReduce", "straggler, steps/s",
+              *(["no straggler, steps/s"] if kind == "sim" else []), "bytes/worker/step"]
+    cells = []
     for row in rows:
         s = row["straggler"]
-        extra = f" {row['none']['fast_steps_per_s']:.1f} |" if kind == "sim" else ""
-        print(f"| {row['method']} | {s['fast_steps_per_s']:.1f} | "
-              f"{s['fast_steps_per_s'] / base:.2f}x | {s['straggler_steps_per_s']:.1f} |"
-              f"{extra} {s['bytes_per_worker_step']:.0f} |")
-    path = write_result(f"wagma_{kind}", {"workers": args.workers, "steps": args.steps,
-                                          "rows": rows})
-    print(f"results: {path}")
+        cells.append([row["method"], f"{s['fast_steps_per_s']:.1f}",
+                      f"{s['fast_steps_per_s'] / base:.2f}x", f"{s['straggler_steps_per_s']:.1f}",
+                      *([f"{row['none']['fast_steps_per_s']:.1f}"] if kind == "sim" else []),
+                      f"{s['bytes_per_worker_step']:.0f}"])
+    print("\n" + "\n".join(markdown_table(header, cells)))
+    results.write(f"wagma_{kind}", {"workers": args.workers, "steps": args.steps, "rows": rows})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="part", required=True)
     p = sub.add_parser("sim", help="SimWorld, one 4x straggler")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--steps", type=int, default=100)
-    p.set_defaults(fn=sim)
     p = sub.add_parser("gloo", help="gloo processes on this machine, one 4x straggler")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=60)
-    p.set_defaults(fn=gloo)
-    args = parser.parse_args()
-    args.fn(args)
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace, results: Results) -> int:
+    {"sim": sim, "gloo": gloo}[args.part](args, results)
+    return 0
