@@ -28,7 +28,7 @@ Mixed precision: give the scaler to ``distribute`` and use it as usual::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
 from gossamer.algorithms.buckets import apply_flat
-from gossamer.algorithms.nonfinite import agree, all_finite, check_policy
+from gossamer.algorithms.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 
 
@@ -184,6 +184,8 @@ def distribute(
     broadcast: bool = True,
     nonfinite: str = "raise",
     scaler: torch.amp.GradScaler | None = None,
+    total_steps: int | None = None,
+    training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None,
 ) -> DistributedOptimizer:
     """Wire ``algorithm`` into ``model`` and ``optimizer`` on this worker.
 
@@ -206,6 +208,11 @@ def distribute(
             stay equal; methods that make no global collective in every step (gossip,
             asynchronous, local SGD, GossipGraD) make one small all-reduce per step for it.
             Overflows are skipped whatever ``nonfinite`` says.
+        total_steps: the number of optimizer steps the loop will take (default None: not
+            known). QSR's schedule needs it, and local SGD ends its last round there.
+        training_inputs: ``training_inputs(k)`` yields k minibatches of this worker's training
+            inputs, drawn apart from the loop's own (default None). Local SGD re-estimates
+            BatchNorm statistics with them before an evaluation.
 
     Returns:
         A :class:`DistributedOptimizer` to use in place of ``optimizer``.
@@ -220,18 +227,17 @@ def distribute(
         algorithm = create(algorithm)
     if not isinstance(algorithm, Algorithm):
         raise ValueError(f"algorithm must be an Algorithm or a name, got {algorithm!r}")
-    check_policy(nonfinite)
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
     if comm is None:
         from gossamer.comm.torch_comm import TorchCommunicator
 
         comm = TorchCommunicator.from_env()
-    algorithm.validate(comm.world_size)
+    algorithm = algorithm.resolve(comm.world_size)  # validated, topology built: once
     if broadcast and comm.world_size > 1:
         broadcast_model(comm, model)
     runtime = algorithm.bind(comm, model, optimizer)
-    runtime.nonfinite = nonfinite
+    runtime.start(total_steps=total_steps, training_inputs=training_inputs, nonfinite=nonfinite)
     runtime.before_forward()
     return DistributedOptimizer(optimizer, runtime, scaler)
 

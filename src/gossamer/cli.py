@@ -67,7 +67,7 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
 
 def _train(args: argparse.Namespace) -> int:
     from gossamer.train.config import config_from_args
-    from gossamer.train.loop import launched_by_launcher, run_training
+    from gossamer.train.run import launched_by_launcher, run_training
 
     config = config_from_args(args)
     if args.sim is None:
@@ -116,6 +116,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     for flag, given in (("--algorithm", args.algorithm), ("--option", args.option),
+                        ("--compressor", args.compressor),
                         ("--run-dir", args.run_dir), ("--resume", args.resume)):
         if given:
             raise ValueError(f"compare does not take {flag}: name algorithms and their options "
@@ -160,13 +161,15 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _algorithms(args: argparse.Namespace) -> int:
-    from gossamer.algorithms import available, describe, lookup
+    from gossamer.algorithms import available, lookup
+    from gossamer.options import describe_options
 
     for name in available():
         doc = (lookup(name).__doc__ or "").strip().splitlines()[0]
         print(f"{name}: {doc}")
-        for option, type_name, default in describe(name):
-            print(f"    {option} ({type_name}, default {default!r})")
+        for option, type_name, default, text in describe_options(lookup(name)):
+            print(f"    {option} ({type_name}, default {default!r})"
+                  + (f": {text}" if text else ""))
     return 0
 
 

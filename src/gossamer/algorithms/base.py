@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.buckets import apply_flat
-from gossamer.algorithms.nonfinite import NonFiniteError, all_finite, describe_nonfinite
+from gossamer.algorithms.nonfinite import (
+    NonFiniteError,
+    all_finite,
+    check_policy,
+    describe_nonfinite,
+)
+from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 
 
@@ -42,6 +48,13 @@ class Algorithm(ABC):
         Called before any worker starts where the world size is known, and again by bind.
         """
         return None  # nothing depends on the world size unless a method says so
+
+    def resolve(self, world_size: int) -> Algorithm:
+        """This configuration for ``world_size`` workers, validated once, with what depends on
+        the world size built once (a gossip method's topology): bind the result on every
+        worker instead of this object. ValueError naming the argument otherwise."""
+        self.validate(world_size)
+        return self
 
     @abstractmethod
     def bind(
@@ -67,13 +80,14 @@ class Runtime:
         self.optimizer = optimizer
         # internal state
         self.step = 0  # optimizer steps taken
-        self.total_steps: int | None = None  # set by a training loop that knows it
+        # what the training loop tells the runtime through start() (distribute() calls it)
+        self.total_steps: int | None = None  # the run's length, where the loop knows it
         #: ``training_inputs(k)``: k minibatches of this worker's training inputs, drawn apart
-        #: from the batches training uses; set by a training loop that has the data
-        #: (``gossamer train`` does); local SGD re-estimates BatchNorm statistics with them
+        #: from the batches training uses, where the loop has the data (``gossamer train``
+        #: does); local SGD re-estimates BatchNorm statistics with them
         self.training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None
         # non-finite values (see gossamer.algorithms.nonfinite)
-        self.nonfinite = "raise"  # the policy, "raise" or "skip" (distribute() sets it)
+        self.nonfinite = "raise"  # the policy, "raise" or "skip"
         self.skip_update = False  # this step: the wrapped optimizer must not step
         # this step under a GradScaler: whether it found the scaled gradients here non-finite
         # (an overflow, which every worker skips and none raises); None: no scaler
@@ -82,6 +96,22 @@ class Runtime:
         # statistics
         self.synchronizations = 0  # exact averages of the whole world (collectives)
         self.skipped_steps = 0  # updates skipped (or gradients dropped) for non-finite values
+
+    def start(self, *, total_steps: int | None = None,
+              training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None,
+              nonfinite: str = "raise") -> None:
+        """What the training loop tells the runtime before the first step: the number of
+        steps (QSR's schedule and local SGD's last round need it), a source of training inputs
+        (local SGD re-estimates BatchNorm statistics with them) and the non-finite policy.
+        :func:`gossamer.distribute` calls it."""
+        if total_steps is not None:
+            check_int("total_steps", total_steps, 1)
+        if training_inputs is not None and not callable(training_inputs):
+            raise ValueError(f"training_inputs must be callable, got {training_inputs!r}")
+        check_policy(nonfinite)
+        self.total_steps = total_steps
+        self.training_inputs = training_inputs
+        self.nonfinite = nonfinite
 
     def check_gradients(self) -> None:
         """Called before ``after_backward``: under the ``"skip"`` policy, skip this worker's

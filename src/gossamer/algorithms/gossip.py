@@ -4,7 +4,8 @@ and the end of training."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -29,6 +30,8 @@ class GossipAlgorithm(Algorithm):
     allreduce_every: int = 0  # an exact average of all every K steps (0: never); lower: closer
     average_before_eval: bool = False  # exact average before each evaluation (changes training)
     average_at_end: bool = True  # exact average after the last step, so all end equal
+    # the world size ``topology`` was built and checked for by resolve() (0: not resolved)
+    _resolved_for: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.topology == "":
@@ -41,7 +44,21 @@ class GossipAlgorithm(Algorithm):
         """Options passed to the topology builder (by name)."""
         return {}
 
+    def resolve(self, world_size: int) -> GossipAlgorithm:
+        """This configuration with its topology built and checked for ``world_size``, once."""
+        if self._resolved_for == world_size:
+            return self
+        self.check_world_size(world_size)
+        resolved = dataclasses.replace(self, topology=self.make_topology(world_size))
+        object.__setattr__(resolved, "_resolved_for", world_size)
+        return resolved
+
+    def check_world_size(self, world_size: int) -> None:
+        """Checks of the options against the world size, before the topology is built."""
+
     def make_topology(self, world_size: int) -> Topology:
+        if isinstance(self.topology, Topology) and self._resolved_for == world_size:
+            return self.topology  # built and checked once, by resolve()
         if isinstance(self.topology, Topology):
             topology = self.topology
         else:
@@ -55,7 +72,7 @@ class GossipAlgorithm(Algorithm):
         topology.require_strongly_connected(arg="topology")
 
     def validate(self, world_size: int) -> None:
-        self.make_topology(world_size)
+        self.resolve(world_size)
 
 
 class GossipRuntime(ExactAverages, Runtime):

@@ -105,11 +105,10 @@ class WAGMA(GossipAlgorithm):
     def topology_options(self) -> dict[str, object]:
         return {"group_size": self.group_size}
 
-    def validate(self, world_size: int) -> None:
+    def check_world_size(self, world_size: int) -> None:
         if isinstance(self.topology, str) and world_size % self.group_size:
             raise ValueError(f"group_size={self.group_size} does not divide the number of "
                              f"workers {world_size}")
-        super().validate(world_size)
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> WAGMARuntime:

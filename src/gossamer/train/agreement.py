@@ -118,13 +118,12 @@ def describe_run(config: Any, world_size: int, dataset: Any = None) -> dict[str,
         dataset: the loaded :class:`~gossamer.train.data.Dataset` (default None: left out).
     """
     import gossamer
-    from gossamer.algorithms import create
 
-    algorithm = create(config.algorithm, config.options)
+    algorithm = config.algorithm
     options = {f.name: _plain(getattr(algorithm, f.name))
                for f in dataclasses.fields(algorithm) if f.init}
     training = {k: v for k, v in config.as_dict().items()
-                if k not in LOCAL_FIELDS and k not in ("algorithm", "options")}
+                if k not in LOCAL_FIELDS and k != "algorithm"}
     description: dict[str, Any] = {
         "gossamer": gossamer.__version__,
         "world_size": world_size,

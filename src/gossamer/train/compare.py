@@ -13,21 +13,20 @@ import sys
 import time
 from pathlib import Path
 
-from gossamer.algorithms import available, create
+from gossamer.algorithms import Algorithm, available, create
 from gossamer.train.config import TrainConfig, parse_options
 
 
-def parse_algorithms(spec: str) -> list[tuple[str, str, dict[str, str]]]:
-    """``"a,b:k=v"`` -> ``[(label, name, options), ...]``; checked against the registry."""
+def parse_algorithms(spec: str) -> list[tuple[str, Algorithm]]:
+    """``"a,b:k=v"`` -> ``[(label, algorithm), ...]``: each entry resolved once, into its
+    configuration object (unknown names and bad options fail here, before any run)."""
     entries = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             raise ValueError(f"algorithms {spec!r} has an empty entry")
         name, *pairs = item.split(":")
-        options = parse_options(pairs)
-        create(name, options)  # unknown names and bad options fail before any run
-        entries.append((item, name, options))
-    labels = [label for label, _, _ in entries]
+        entries.append((item, create(name, parse_options(pairs))))
+    labels = [label for label, _ in entries]
     if len(set(labels)) != len(labels):
         raise ValueError(f"algorithms {spec!r} names the same entry twice")
     return entries
@@ -35,16 +34,16 @@ def parse_algorithms(spec: str) -> list[tuple[str, str, dict[str, str]]]:
 
 def run_compare(algorithms: str, base: TrainConfig, out_dir: str | Path) -> Path:
     """Run every algorithm of ``algorithms`` with ``base``'s task; write and return the report."""
-    from gossamer.train.loop import run_training
     from gossamer.train.report import load_metrics, write_report
+    from gossamer.train.run import run_training
 
     entries = parse_algorithms(algorithms)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run_dirs = []
-    for i, (label, name, options) in enumerate(entries, 1):
+    for i, (label, algorithm) in enumerate(entries, 1):
         run_dir = out / re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-        config = base.replace(algorithm=name, options=options, run_dir=str(run_dir),
+        config = base.replace(algorithm=algorithm, run_dir=str(run_dir),
                               resume=False, quiet=True)
         started = time.perf_counter()
         if not base.quiet:
@@ -56,7 +55,7 @@ def run_compare(algorithms: str, base: TrainConfig, out_dir: str | Path) -> Path
                   file=sys.stderr)
         run_dirs.append(run_dir)
     runs = [load_metrics(d) for d in run_dirs]
-    for run, (label, _, _) in zip(runs, entries, strict=True):
+    for run, (label, _) in zip(runs, entries, strict=True):
         run.name = label  # the entry as given, options included
     return write_report(runs, out, title="gossamer compare")
 

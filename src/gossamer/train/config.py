@@ -12,72 +12,108 @@ import dataclasses
 import math
 import typing
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
+from gossamer.algorithms import Algorithm, AllReduce, create
 from gossamer.algorithms.nonfinite import POLICIES as NONFINITE_POLICIES
 from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
+from gossamer.comm.network import ComputeModel, NetworkModel
+from gossamer.comm.rate import parse_rate
+from gossamer.options import option, option_help
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 PARTITIONS = ("iid", "dirichlet")
 
 
+# The settings that only the simulator reads, and the one only real processes read: given in
+# the other mode they would have no effect, which is an error (see TrainConfig.check_mode).
+SIM_ONLY = ("latency", "bandwidth", "compute_time", "stragglers", "jitter", "links")
+REAL_ONLY = ("bind_all",)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run (see ``gossamer train --help``)."""
+    """Everything that defines a training run (see ``gossamer train --help``).
+
+    ``algorithm`` is the method's configuration object, resolved once: give it as an
+    :class:`~gossamer.algorithms.Algorithm` or as a registered name with ``options`` (strings
+    are converted to the options' types) and ``compressor`` (``NAME[:KEY=VALUE...]``, for the
+    gradient-level methods); either way the field then holds the object. ``replace(options=...)``
+    changes options of the algorithm held.
+    """
 
     # what to train
-    algorithm: str = "allreduce"  # a registered name: `gossamer algorithms` lists them
-    options: Mapping[str, Any] = field(default_factory=dict)  # the algorithm's options
-    dataset: str = "digits"  # digits (embedded), mnist, fashion-mnist, cifar10, text
-    data_path: str | None = None  # directory (or text file) of the data set; not for digits
-    model: str = "auto"  # mlp, cnn, resnet20, transformer; auto: the data set's usual one
-    block_size: int = 64  # text: characters of context
+    algorithm: Algorithm = option(factory=AllReduce,
+                                  help="a registered name: `gossamer algorithms` lists them")
+    options: InitVar[Mapping[str, Any] | None] = None  # the algorithm's options, by name
+    compressor: InitVar[Any] = None  # a compressor spec NAME[:KEY=VALUE...], by name
+    dataset: str = option("digits", "digits (embedded), mnist, fashion-mnist, cifar10, text")
+    data_path: str | None = option(None, "directory (or text file) of the data set; not for "
+                                   "digits")
+    model: str = option("auto", "mlp, cnn, resnet20, transformer; auto: the data set's usual "
+                        "one")
+    block_size: int = option(64, "text: characters of context")
     # optimisation
-    steps: int = 300  # optimizer steps per worker; ~20 epochs of digits with 4 workers
-    batch_size: int = 32  # per worker and micro-batch; the global batch is world_size x this
-    accumulation: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    optimizer: str = "sgd"  # sgd or adamw
-    lr: float = 0.05  # peak learning rate
-    momentum: float = 0.9  # sgd only
-    nesterov: bool = False  # sgd only
-    weight_decay: float = 0.0  # decoupled for adamw, L2 for sgd
-    schedule: str = "constant"  # constant, step (x gamma at each milestone), cosine (to min_lr)
-    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps, before the schedule
-    milestones: tuple[int, ...] = ()  # step schedule: steps where lr is multiplied by gamma
-    gamma: float = 0.1  # step schedule factor
-    min_lr: float = 0.0  # cosine schedule floor
+    steps: int = option(300, "optimizer steps per worker; ~20 epochs of digits with 4 workers")
+    batch_size: int = option(32, "per worker and micro-batch; the global batch is world_size x "
+                             "this")
+    accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation)")
+    optimizer: str = option("sgd", "sgd or adamw")
+    lr: float = option(0.05, "peak learning rate")
+    momentum: float = option(0.9, "sgd only")
+    nesterov: bool = option(False, "sgd only")
+    weight_decay: float = option(0.0, "decoupled for adamw, L2 for sgd")
+    schedule: str = option("constant", "constant, step (x gamma at each milestone), cosine (to "
+                           "min_lr)")
+    warmup_steps: int = option(0, "linear warm-up from lr / warmup_steps, before the schedule")
+    milestones: tuple[int, ...] = option((), "step schedule: steps where lr is multiplied by "
+                                         "gamma")
+    gamma: float = option(0.1, "step schedule factor")
+    min_lr: float = option(0.0, "cosine schedule floor")
     # data split across workers
-    partition: str = "iid"  # iid, or dirichlet (non-IID label skew)
-    alpha: float = 0.5  # dirichlet concentration: lower is more skewed
-    seed: int = 0  # model init, data split and sampling
+    partition: str = option("iid", "iid, or dirichlet (non-IID label skew)")
+    alpha: float = option(0.5, "dirichlet concentration: lower is more skewed")
+    seed: int = option(0, "model init, data split and sampling")
     # evaluation and records
-    eval_every: int = 50  # steps between evaluations (0: only at the end)
-    eval_workers: bool = True  # also evaluate each worker's replica, not only the average
-    log_every: int = 10  # steps between train-loss records
-    run_dir: str | None = None  # where config, metrics, checkpoints and plots go
-    checkpoint_every: int = 0  # steps between checkpoints (0: none); needs run_dir
-    keep_checkpoints: int = 3  # newest checkpoints kept on disk (0: all)
-    resume: bool = False  # continue from run_dir's latest checkpoint
-    tensorboard: bool = False  # also log to TensorBoard in run_dir/tensorboard
+    eval_every: int = option(50, "steps between evaluations (0: only at the end)")
+    eval_workers: bool = option(True, "also evaluate each worker's replica, not only the "
+                                "average")
+    log_every: int = option(10, "steps between train-loss records")
+    run_dir: str | None = option(None, "where config, metrics, checkpoints and plots go")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: none); needs run_dir")
+    keep_checkpoints: int = option(3, "newest checkpoints kept on disk (0: all)")
+    resume: bool = option(False, "continue from run_dir's latest checkpoint")
+    tensorboard: bool = option(False, "also log to TensorBoard in run_dir/tensorboard")
     # torch.distributed has no authentication: whoever reaches the store's port can join
-    bind_all: bool = False  # real runs: rendezvous on all interfaces, not only MASTER_ADDR
+    bind_all: bool = option(False, "real runs: rendezvous on all interfaces, not only "
+                            "MASTER_ADDR")
     # simulator (sim > 0)
-    sim: int = 0  # simulated workers; 0: real processes from the launcher environment
-    latency: float = 50e-6  # seconds per message
-    bandwidth: float = 125e6  # bytes per second per link (1 Gbit/s)
-    compute_time: float = 0.01  # seconds of compute per step
-    # None: the backend's default (gossamer.comm.DEFAULT_TIMEOUTS)
-    timeout: float | None = None  # seconds to wait for a peer (virtual in sim); 300, NCCL 600
+    sim: int = option(0, "simulated workers; 0: real processes from the launcher environment")
+    latency: float = option(50e-6, "simulator: seconds per message")
+    bandwidth: float = option(125e6, "simulator: every link's rate, e.g. 1gbit, 100mbit, "
+                              "125MB/s (a bare number is bytes per second)")
+    links: tuple[str, ...] = option((), "simulator: repeatable SRC:DST:RATE[:LATENCY], one "
+                                    "directed link's rate (and seconds per message)")
+    compute_time: float = option(0.01, "simulator: seconds of compute per step")
+    stragglers: tuple[str, ...] = option((), "simulator: repeatable RANK:FACTOR, that worker's "
+                                         "steps take FACTOR times compute_time")
+    jitter: float = option(0.0, "simulator: relative spread of step times (seeded)")
+    timeout: float | None = option(None, "seconds to wait for a peer (virtual in sim); "
+                                   "default: the backend's, 300 (NCCL 600)")
     # failures (see gossamer.comm.faults and gossamer.algorithms.nonfinite)
-    faults: tuple[str, ...] = ()  # repeatable RANK:STEP:KIND, KIND crash|hang|slow:FACTOR|nan
-    nonfinite: str = "raise"  # a NaN/inf gradient or parameter: raise (stop), or skip (that update)
-    quiet: bool = False  # no progress bar, summary only
+    faults: tuple[str, ...] = option((), "repeatable RANK:STEP:KIND, KIND "
+                                     "crash|hang|slow:FACTOR|nan")
+    nonfinite: str = option("raise", "a NaN/inf gradient or parameter: raise (stop), or skip "
+                            "(that update)")
+    quiet: bool = option(False, "no progress bar, summary only")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, options: Mapping[str, Any] | None, compressor: Any) -> None:
+        object.__setattr__(self, "algorithm", resolve_algorithm(self.algorithm, options,
+                                                                compressor))
         for name in ("steps", "batch_size", "accumulation", "block_size", "log_every"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("eval_every", "sim", "seed", "checkpoint_every", "warmup_steps",
@@ -92,16 +128,22 @@ class TrainConfig:
         check_positive("gamma", self.gamma, allow_zero=False)
         check_positive("alpha", self.alpha, allow_zero=False)
         check_positive("latency", self.latency, allow_zero=True)
-        check_positive("bandwidth", self.bandwidth, allow_zero=False)
+        object.__setattr__(self, "bandwidth", parse_rate(self.bandwidth, arg="bandwidth"))
         check_positive("compute_time", self.compute_time, allow_zero=True)
+        check_positive("jitter", self.jitter, allow_zero=True)
         if self.timeout is not None:
             check_positive("timeout", self.timeout, allow_zero=False)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        faults = (self.faults,) if isinstance(self.faults, str) else tuple(self.faults)
+        for name in ("faults", "stragglers", "links"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         object.__setattr__(self, "faults", tuple(
-            str(f) for f in check_faults(faults, world_size=self.sim or None, steps=self.steps)))
+            str(f) for f in check_faults(self.faults, world_size=self.sim or None,
+                                         steps=self.steps)))
+        self.network_model()  # checks links (and their ranks, when simulated)
+        self.compute_model()  # checks stragglers
         for name in ("lr", "weight_decay", "min_lr", "gamma", "alpha", "latency",
-                     "compute_time"):
+                     "compute_time", "jitter"):
             if math.isinf(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         if not 0 <= self.momentum < 1:
@@ -118,15 +160,164 @@ class TrainConfig:
         if self.tensorboard and not self.run_dir:
             raise ValueError("tensorboard needs run_dir (the logs go to run_dir/tensorboard)")
 
+    def check_effect(self) -> None:
+        """A setting changed from its default where it does nothing is an error saying why
+        (the command line and recipes check it: a flag that silently does nothing misleads)."""
+        unused = {
+            "momentum": (self.optimizer != "sgd", "applies to optimizer 'sgd' only"),
+            "milestones": (self.schedule != "step", "applies to schedule 'step' only"),
+            "gamma": (self.schedule != "step", "applies to schedule 'step' only"),
+            "min_lr": (self.schedule != "cosine", "applies to schedule 'cosine' only"),
+            "alpha": (self.partition != "dirichlet", "applies to partition 'dirichlet' only"),
+            "block_size": (self.dataset != "text", "applies to dataset 'text' only"),
+            "data_path": (self.dataset == "digits",
+                          "the digits data set is embedded: it reads no files"),
+            "keep_checkpoints": (not self.checkpoint_every,
+                                 "applies when checkpoints are written (checkpoint_every > 0)"),
+        }
+        for name, (no_effect, why) in unused.items():
+            if no_effect and getattr(self, name) != _DEFAULTS[name]:
+                raise ValueError(f"{name}={getattr(self, name)!r} has no effect here: it {why}")
+
+    def check_mode(self, simulated: bool) -> None:
+        """Settings of the other mode would have no effect: an error that says why."""
+        if simulated:
+            given = [n for n in REAL_ONLY if getattr(self, n) != _DEFAULTS[n]]
+            if given:
+                raise ValueError(f"{given[0]} applies to real processes only (the "
+                                 "torch.distributed rendezvous); this run is simulated")
+            return
+        given = [n for n in SIM_ONLY if getattr(self, n) != _DEFAULTS[n]]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} set{'s' if len(given) == 1 else ''} the simulator's "
+                "network or compute and has no effect on real processes: their network is the "
+                "one they run on (`gossamer launch --emulate bandwidth=...` emulates one)")
+
+    def network_model(self) -> NetworkModel:
+        """The simulator's network: ``latency``, ``bandwidth`` and the per-link ``links``."""
+        rates, latencies = {}, {}
+        for spec in self.links:
+            (src, dst), rate, latency = _parse_link(spec, self.sim)
+            rates[(src, dst)] = rate
+            if latency is not None:
+                latencies[(src, dst)] = latency
+        return NetworkModel(latency=self.latency, bandwidth=self.bandwidth,
+                            link_bandwidth=rates, link_latency=latencies)
+
+    def compute_model(self) -> ComputeModel:
+        """The simulator's compute: ``compute_time``, ``stragglers`` and ``jitter``."""
+        factors = {}
+        for spec in self.stragglers:
+            rank, factor = _parse_straggler(spec, self.sim)
+            factors[rank] = factor
+        return ComputeModel(step_time=self.compute_time, stragglers=factors, jitter=self.jitter)
+
+    @property
+    def algorithm_name(self) -> str:
+        return self.algorithm.name
+
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["options"] = dict(self.options)
-        d["milestones"] = list(self.milestones)
-        d["faults"] = list(self.faults)
+        """Plain values (YAML), the algorithm as ``{"name": ..., "options": {...}}`` with the
+        options that differ from their defaults: ``TrainConfig(**load_settings(d))`` is equal
+        to this config."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["algorithm"] = algorithm_spec(self.algorithm)
+        for name in ("milestones", "faults", "stragglers", "links"):
+            d[name] = list(d[name])
         return d
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS: dict[str, Any] = {}  # filled below, once TrainConfig exists
+
+
+def resolve_algorithm(algorithm: Algorithm | str | Mapping[str, Any],
+                      options: Mapping[str, Any] | None = None,
+                      compressor: Any = None) -> Algorithm:
+    """The algorithm's configuration object from a name (or a spec mapping, as in a recipe or
+    config.yaml) with ``options``, or an object whose ``options`` change; then sent through
+    ``compressor`` where one is given. Bad names and options fail here, naming them."""
+    if isinstance(algorithm, Mapping):
+        spec = dict(algorithm)
+        if "name" not in spec:
+            raise ValueError(f"algorithm: a mapping needs a name, got {spec!r}")
+        algorithm = create(spec["name"], {**dict(spec.get("options") or {}), **(options or {})})
+    elif isinstance(algorithm, str):
+        algorithm = create(algorithm, options)
+    elif isinstance(algorithm, Algorithm):
+        if options:
+            current = {f.name: getattr(algorithm, f.name) for f in dataclasses.fields(algorithm)
+                       if f.init}
+            algorithm = create(algorithm.name, {**current, **options})
+    else:
+        raise ValueError(f"algorithm must be an Algorithm or a registered name, got "
+                         f"{algorithm!r}")
+    if compressor is not None:
+        from gossamer.compress.registry import parse_compression, with_compression
+
+        algorithm = with_compression(algorithm, parse_compression(compressor))
+    return algorithm
+
+
+def algorithm_spec(algorithm: Algorithm) -> dict[str, Any]:
+    """``{"name": ..., "options": {...}}``: the options that differ from the defaults, as plain
+    values (a topology or compressor object by its own spec)."""
+    defaults = type(algorithm)()
+    options = {}
+    for f in dataclasses.fields(algorithm):
+        value = getattr(algorithm, f.name)
+        if f.init and value != getattr(defaults, f.name):
+            options[f.name] = _plain_option(value)
+    return {"name": algorithm.name, "options": options}
+
+
+def _plain_option(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain_option(v) for v in value]
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    return repr(value)
+
+
+def _parse_link(spec: str, world_size: int) -> tuple[tuple[int, int], float, float | None]:
+    parts = str(spec).split(":")
+    try:
+        if len(parts) not in (3, 4):
+            raise ValueError
+        src, dst = int(parts[0]), int(parts[1])
+        latency = float(parts[3]) if len(parts) == 4 else None
+    except ValueError:
+        raise ValueError(f"links: {spec!r} is not SRC:DST:RATE[:LATENCY] (e.g. 0:1:100mbit or "
+                         "0:1:12.5e6:0.001)") from None
+    rate = parse_rate(parts[2], arg=f"links {spec!r}")
+    for rank in (src, dst):
+        if rank < 0 or (world_size and rank >= world_size):
+            raise ValueError(f"links {spec!r}: rank {rank} does not exist"
+                             + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
+    if src == dst:
+        raise ValueError(f"links {spec!r}: a link joins two different ranks")
+    if latency is not None:
+        check_positive(f"links {spec!r}: latency", latency, allow_zero=True)
+    return (src, dst), rate, latency
+
+
+def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
+    rank_text, sep, factor_text = str(spec).partition(":")
+    try:
+        rank, factor = int(rank_text), float(factor_text)
+    except ValueError:
+        raise ValueError(f"stragglers: {spec!r} is not RANK:FACTOR (e.g. 3:4)") from None
+    if rank < 0 or (world_size and rank >= world_size):
+        raise ValueError(f"stragglers {spec!r}: rank {rank} does not exist"
+                         + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
+    if not factor > 0 or math.isinf(factor):
+        raise ValueError(f"stragglers {spec!r}: the factor must be a finite number > 0")
+    return rank, factor
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -154,40 +345,74 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 # ---------------------------------------------------------------------------- recipes and flags
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_NOT_FLAGS = {"options"}  # given as repeated --option KEY=VALUE
+_DEFAULTS.update({name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                  for name, f in _FIELDS.items()})
+_INIT_ONLY = ("options", "compressor")  # recipe keys and flags that resolve the algorithm
+_RECORD_ONLY = ("world_size",)  # written into a run directory's config.yaml for the record
+_REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggler", "RANK:FACTOR"),
+             "links": ("--link", "SRC:DST:RATE[:LATENCY]")}
+#: The flags of ``gossamer train --help``, by concern.
+GROUPS = {
+    "what to train": ("algorithm", "dataset", "data_path", "model", "block_size"),
+    "optimisation": ("steps", "batch_size", "accumulation", "optimizer", "lr", "momentum",
+                     "nesterov", "weight_decay", "schedule", "warmup_steps", "milestones",
+                     "gamma", "min_lr"),
+    "data split across workers": ("partition", "alpha", "seed"),
+    "evaluation and records": ("eval_every", "eval_workers", "log_every", "run_dir",
+                               "checkpoint_every", "keep_checkpoints", "resume", "tensorboard",
+                               "quiet"),
+    "simulator (--sim N)": ("sim", "latency", "bandwidth", "links", "compute_time",
+                            "stragglers", "jitter"),
+    "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all",),
+    "failures": ("timeout", "faults", "nonfinite"),
+}
 
 
 def load_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a YAML recipe: a mapping of TrainConfig fields (``options`` a mapping too)."""
+    """Read a YAML recipe (or a run directory's config.yaml): a mapping of TrainConfig fields.
+
+    ``algorithm`` is a name with ``options`` beside it, or ``{name: ..., options: {...}}`` as
+    config.yaml writes it; ``compressor`` a spec ``NAME[:KEY=VALUE...]`` or a mapping.
+    """
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with path.open() as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: "
+                         f"{str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings")
-    for key in data:
-        if key not in _FIELDS:
+    for key in list(data):
+        if key in _RECORD_ONLY:
+            del data[key]
+        elif key not in _FIELDS and key not in _INIT_ONLY:
             raise ValueError(
                 f"config file {str(path)!r}: unknown key {key!r}; known keys: "
-                f"{', '.join(sorted(_FIELDS))}"
+                f"{', '.join(sorted([*_FIELDS, *_INIT_ONLY]))}"
             )
     if "options" in data and not isinstance(data["options"], dict):
         raise ValueError(f"config file {str(path)!r}: options must be a mapping")
-    if "milestones" in data:
-        value = data["milestones"]
-        data["milestones"] = tuple(value) if isinstance(value, (list, tuple)) else (
-            () if value is None else (value,))
-    if "faults" in data:
-        value = data["faults"]
-        data["faults"] = tuple(value) if isinstance(value, (list, tuple)) else (
-            () if value is None else (value,))
+    if isinstance(data.get("algorithm"), dict):
+        algorithm = data["algorithm"]
+        if not isinstance(algorithm.get("options", {}) or {}, dict):
+            raise ValueError(f"config file {str(path)!r}: algorithm options must be a mapping")
+        data["options"] = {**(algorithm.get("options") or {}), **data.get("options", {})}
+        data["algorithm"] = algorithm.get("name")
+    for name in ("milestones", *_REPEATED):
+        if name in data:
+            value = data[name]
+            data[name] = tuple(value) if isinstance(value, (list, tuple)) else (
+                () if value is None else (value,))
     hints = typing.get_type_hints(TrainConfig)
     for key, value in data.items():
         # YAML reads 1e-3 as a string: numbers are taken in any spelling float() accepts
-        if hints[key] is float and isinstance(value, (str, int)) and not isinstance(value, bool):
+        if key in hints and hints[key] is float and key != "bandwidth" and isinstance(
+                value, (str, int)) and not isinstance(value, bool):
             try:
                 data[key] = float(value)
             except ValueError:
@@ -198,36 +423,46 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, with its comment as help and its default shown."""
+    """One flag per TrainConfig field, grouped by concern, with the field's help and default."""
     import inspect
 
-    comments = _field_comments()
+    helps = option_help(TrainConfig)
     hints = typing.get_type_hints(TrainConfig)
-    defaults = TrainConfig()
     parser.add_argument("--config", metavar="RECIPE.yaml", default=None,
                         help="a YAML recipe; flags given here override it")
-    parser.add_argument("--option", action="append", default=None, metavar="KEY=VALUE",
-                        help="an option of the algorithm, repeatable (e.g. --option "
-                        "bucket_mb=10); see `gossamer algorithms`")
-    for name in _FIELDS:
-        if name in _NOT_FLAGS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
-        help_text = f"{comments.get(name, '')} (default: {default!r})"
-        tp = hints[name]
-        if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=help_text)
-        elif name == "milestones":
-            parser.add_argument(flag, type=int, nargs="*", default=None, help=help_text)
-        elif name == "faults":  # one fault per flag: --fault 1:5:crash --fault 2:9:nan
-            parser.add_argument("--fault", dest="faults", action="append", default=None,
-                                metavar="RANK:STEP:KIND", help=help_text)
-        else:
-            base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)
-            parser.add_argument(flag, type=base if inspect.isclass(base) else str,
-                                default=None, help=help_text)
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            default = _DEFAULTS[name]
+            shown = default.name if isinstance(default, Algorithm) else default
+            help_text = f"{helps[name]} (default: {shown!r})"
+            tp = hints[name]
+            if name == "algorithm":
+                group.add_argument(flag, default=None, metavar="NAME", help=help_text)
+                group.add_argument("--option", action="append", default=None,
+                                   metavar="KEY=VALUE",
+                                   help="an option of the algorithm, repeatable (e.g. --option "
+                                   "bucket_mb=10); see `gossamer algorithms`")
+                group.add_argument("--compressor", default=None, metavar="NAME[:KEY=VALUE...]",
+                                   help="send a gradient-level method's gradients through this "
+                                   "compressor (e.g. dgc:ratio=0.001); see `gossamer "
+                                   "algorithms`")
+            elif tp is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            elif name == "milestones":
+                group.add_argument(flag, type=int, nargs="*", default=None, help=help_text)
+            elif name in _REPEATED:  # one per flag: --fault 1:5:crash --fault 2:9:nan
+                repeated, metavar = _REPEATED[name]
+                group.add_argument(repeated, dest=name, action="append", default=None,
+                                   metavar=metavar, help=help_text)
+            elif name == "bandwidth":
+                group.add_argument(flag, default=None, metavar="RATE", help=help_text)
+            else:
+                base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)
+                group.add_argument(flag, type=base if inspect.isclass(base) else str,
+                                   default=None, help=help_text)
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
@@ -237,14 +472,18 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
         settings.update(load_recipe(args.config))
     for name in _FIELDS:
         value = getattr(args, name, None)
-        if value is not None and name not in _NOT_FLAGS:
-            settings[name] = tuple(value) if name in ("milestones", "faults") else value
+        if value is not None:
+            settings[name] = tuple(value) if name in ("milestones", *_REPEATED) else value
     if getattr(args, "option", None):
         options = dict(settings.get("options", {}))
         options.update(parse_options(args.option))
         settings["options"] = options
+    if getattr(args, "compressor", None):
+        settings["compressor"] = args.compressor
     settings.update(overrides)
-    return TrainConfig(**settings)
+    config = TrainConfig(**settings)
+    config.check_effect()
+    return config
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
@@ -256,17 +495,3 @@ def parse_options(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"--option expects KEY=VALUE, got {pair!r}")
         options[key.strip().replace("-", "_")] = value.strip()
     return options
-
-
-def _field_comments() -> dict[str, str]:
-    """The ``# comment`` after each field in this file's TrainConfig, as flag help."""
-    import inspect
-
-    comments = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
-        stripped = line.strip()
-        if ":" in stripped and "#" in stripped and not stripped.startswith("#"):
-            name = stripped.split(":", 1)[0].strip()
-            if name in _FIELDS:
-                comments[name] = stripped.split("#", 1)[1].strip()
-    return comments

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -299,3 +300,13 @@ def build_model(
             f"its options: {', '.join(sorted(accepted)) or 'none'}"
         )
     return builder(tuple(input_shape), num_classes, **options)
+
+
+#: The model each data set trains by default (``model: auto``).
+DEFAULT_MODELS = {"digits": "mlp", "mnist": "cnn", "fashion-mnist": "cnn", "cifar10": "resnet20",
+                  "text": "transformer"}
+
+
+def resolve_model(config: Any) -> str:
+    """The model a run trains: ``config.model``, or its data set's usual one for ``auto``."""
+    return DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model

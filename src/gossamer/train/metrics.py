@@ -1,0 +1,212 @@
+"""What every run measures, the same way for every algorithm: evaluation of the averaged model
+and of each replica, the consensus distance, bytes and messages sent, wall-clock; the records
+(metrics.jsonl, TensorBoard) and the progress bar.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gossamer.algorithms import model_tensors
+from gossamer.comm.base import Communicator
+from gossamer.train.config import TrainConfig, learning_rate
+from gossamer.train.data import Dataset
+
+__all__ = ["MetricsLog", "Progress", "evaluate", "format_bytes", "loss_fn", "measure"]
+
+
+EVAL_BATCH = 1024  # examples per forward pass when evaluating: bounds memory on big test sets
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy; for sequence models over every position."""
+    if logits.dim() == 3:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits, y)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) of ``model`` on ``(x, y)``, in chunks."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, count = 0.0, 0.0, 0
+    device = next(model.parameters()).device
+    for start in range(0, len(y), EVAL_BATCH):
+        xb = x[start : start + EVAL_BATCH].to(device)
+        yb = y[start : start + EVAL_BATCH].to(device)
+        logits = model(xb)
+        weight = yb.numel()
+        total_loss += loss_fn(logits, yb).item() * weight
+        correct += (logits.argmax(dim=-1) == yb).sum().item()
+        count += weight
+    model.train(was_training)
+    return total_loss / count, correct / count
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.last_decile = 10 * start // total
+        self.started = time.perf_counter()
+
+    def update(self, step: int, **fields: str) -> None:
+        if not self.enabled:
+            return
+        decile = 10 * step // self.total
+        if not self.tty and decile == self.last_decile and step != self.total:
+            return
+        self.last_decile = decile
+        width = 24
+        filled = width * step // self.total
+        bar = "=" * filled + (">" if filled < width else "") + " " * (width - filled - 1)
+        info = "  ".join(f"{k} {v}" for k, v in fields.items())
+        elapsed = time.perf_counter() - self.started
+        line = f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] {info}  {elapsed:.1f}s"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if step == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class MetricsLog:
+    """Rank 0's records: kept in memory, appended to metrics.jsonl, optionally TensorBoard."""
+
+    def __init__(self, config: TrainConfig, enabled: bool, resume_step: int) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.file = None
+        self.tensorboard = None
+        if not enabled or not config.run_dir:
+            return
+        path = Path(config.run_dir) / "metrics.jsonl"
+        if resume_step:  # drop what the interrupted run recorded after its checkpoint
+            records = [json.loads(line) for line in read_lines(path)]
+            kept = [r for r in records
+                    if r.get("step", 0) <= resume_step and r.get("kind") != "summary"]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        else:
+            path.write_text("")
+        self.file = path.open("a")
+        if config.tensorboard:
+            from gossamer.train.report import TensorBoardLogger
+
+            self.tensorboard = TensorBoardLogger(Path(config.run_dir) / "tensorboard")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.file is not None:
+            self.file.write(json.dumps(_json_safe(record)) + "\n")
+            self.file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.log(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            os.fsync(self.file.fileno())
+            self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinities (not JSON) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def read_lines(path: Path) -> list[str]:
+    lines = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash
+            lines.append(line)
+    return lines
+
+
+def measure(
+    comm: Communicator, config: TrainConfig, dataset: Dataset, model: nn.Module,
+    params: list[torch.Tensor], runtime: Any, train_loss: float,
+    counters: tuple[float, float, float], examples_per_step: int, step: int,
+) -> dict[str, Any]:
+    """Collective: evaluate the averaged model and each replica, and the consensus distance."""
+    with torch.no_grad():
+        tensors = model_tensors(model)  # parameters first, then float buffers
+        # In float64, so that the mean of identical replicas is exact and their consensus
+        # distance exactly 0 (float32 sums would leave rounding noise).
+        own = [t.detach().double() for t in tensors]
+        mean = torch.cat([t.reshape(-1) for t in own])
+        comm.all_reduce(mean, op="mean")
+        means = list(torch.split(mean, [t.numel() for t in own]))
+        # consensus distance over parameters only: mean over workers of ||x_i - mean||^2
+        own_sq = sum(float((t.reshape(-1) - m).pow(2).sum())
+                     for t, m in zip(own[: len(params)], means, strict=False))
+        if runtime.replicas_identical and len(tensors) == len(params):
+            averaged = model  # identical replicas, no per-worker statistics to average
+        else:
+            averaged = copy.deepcopy(model)
+            for t, m in zip(model_tensors(averaged), means, strict=True):
+                t.copy_(m.view_as(t))
+        if config.eval_workers:
+            own_loss, own_acc = evaluate(model, dataset.x_test, dataset.y_test)
+        else:
+            own_loss, own_acc = float("nan"), float("nan")
+        sent, messages, clock = counters
+        scalars = torch.tensor([own_sq, train_loss, sent, messages, clock,
+                                runtime.skipped_steps], dtype=torch.float64)
+        comm.all_reduce(scalars, op="mean")
+        per_worker = comm.all_gather(torch.tensor([own_loss, own_acc], dtype=torch.float64))
+        if comm.rank != 0:
+            return {}
+        eval_loss, eval_acc = evaluate(averaged, dataset.x_test, dataset.y_test)
+    consensus, mean_loss, mean_sent, mean_messages, mean_clock, mean_skipped = scalars.tolist()
+    return {
+        "kind": "eval",
+        "step": step,
+        "train_loss": mean_loss,
+        "eval_loss": eval_loss,
+        "eval_accuracy": eval_acc,
+        "worker_eval_loss": [float(t[0]) for t in per_worker],
+        "worker_eval_accuracy": [float(t[1]) for t in per_worker],
+        "consensus_distance": consensus,
+        "bytes_sent": mean_sent,
+        "messages_sent": mean_messages,
+        "synchronizations": runtime.synchronizations,
+        # updates skipped (or own gradients dropped) for non-finite values, over all workers
+        "skipped_steps": round(mean_skipped * comm.world_size),
+        "wall_clock": mean_clock,
+        "examples_per_second": examples_per_step * step / mean_clock if mean_clock > 0
+        else float("nan"),
+        "lr": learning_rate(config, step - 1),
+    }

@@ -1,0 +1,190 @@
+"""Running a training: check everything that can be checked before a worker starts, prepare
+the run directory, then run :func:`~gossamer.train.loop.train_worker` in the simulator or in
+this process of a launched job; resuming and elastic restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gossamer.comm.base import default_timeout
+from gossamer.train import checkpoint as ckpt
+from gossamer.train.config import TrainConfig, load_recipe
+from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
+from gossamer.train.models import build_model, resolve_model
+
+__all__ = ["check_resume", "check_shards", "elastic_restart", "launched_by_launcher", "prepare",
+           "run_training"]
+
+
+def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
+    """True when torchrun, SLURM or Open MPI started this process as one of several."""
+    env = os.environ if environ is None else environ
+    return any(k in env for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+
+
+def prepare(config: TrainConfig) -> Dataset:
+    """Check everything that can be checked before any worker starts; load the data."""
+    config.check_mode(simulated=config.sim > 0)
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ValueError("tensorboard needs the tensorboard package: "
+                             "pip install tensorboard") from None
+    options = {"block_size": config.block_size} if config.dataset == "text" else {}
+    # The evaluation split does not depend on the run's seed: runs of different seeds are
+    # scored on the same examples.
+    dataset = load_dataset(config.dataset, seed=0, path=config.data_path, **options)
+    build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
+    return dataset
+
+
+# Settings that may differ between a run and its resumption: they change no trajectory, except
+# steps, which may be raised to train longer (a cosine schedule then stretches).
+_FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers", "log_every",
+                   "checkpoint_every", "keep_checkpoints", "timeout", "run_dir", "world_size",
+                   "steps", "faults", "bind_all"}
+
+
+def check_resume(config: TrainConfig) -> None:
+    """A resumed run must have a checkpoint and the settings it was started with."""
+    import yaml
+
+    if not ckpt.checkpoint_candidates(config.run_dir):
+        raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
+    path = Path(config.run_dir) / "config.yaml"
+    if not path.is_file():
+        return
+    try:
+        started = {**TrainConfig(**load_recipe(path)).as_dict(),
+                   **{k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items()
+                      if k == "model"}}
+    except ValueError as error:
+        raise ValueError(f"resume: run_dir {config.run_dir!r} has a config.yaml that cannot "
+                         f"be read ({error}); start a new run_dir") from None
+    now = {**config.as_dict(), "model": resolve_model(config)}
+    differ = [k for k in sorted(started) if k not in _FREE_ON_RESUME and k in now
+              and started[k] != now[k]]
+    if differ:
+        changes = ", ".join(f"{k}={started[k]!r} (now {now[k]!r})" for k in differ)
+        raise ValueError(
+            f"resume: run_dir {config.run_dir!r} was started with {changes}; pass the same "
+            "settings to resume, or start a new run_dir"
+        )
+
+
+def check_shards(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
+    """Every worker's shard must hold at least one minibatch."""
+    shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
+                       alpha=config.alpha, seed=config.seed)
+    smallest = min(len(s) for s in shards)
+    if config.batch_size > smallest:
+        raise ValueError(
+            f"batch_size={config.batch_size} is larger than this worker's shard of {smallest} "
+            f"examples ({len(dataset.y_train)} training examples over {world_size} workers)"
+        )
+
+
+def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
+    import yaml
+
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pointer = run_dir / "checkpoints" / "latest"
+    if pointer.is_file():
+        # so that an elastic restart (or --resume) of this run never resumes the earlier one
+        warnings.warn(f"run_dir {str(run_dir)!r} holds checkpoints of an earlier run; this run "
+                      "starts over and replaces them (pass --resume to continue it instead)",
+                      stacklevel=3)
+        pointer.unlink()
+    resolved = {**config.as_dict(), "model": resolve_model(config), "world_size": world_size}
+    ckpt.atomic_write_bytes(run_dir / "config.yaml",
+                            yaml.safe_dump(resolved, sort_keys=False).encode())
+    shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
+                       alpha=config.alpha, seed=config.seed)
+    split = describe_partition(shards, dataset.y_train.numpy(), dataset.num_classes)
+    ckpt.atomic_write_bytes(run_dir / "partition.json", json.dumps(split).encode())
+
+
+def elastic_restart(config: TrainConfig, environ: Mapping[str, str] | None = None) -> int:
+    """The restart count when this worker group restarted and resumes by itself; 0 otherwise.
+
+    torchrun ``--max-restarts N`` (and ``gossamer launch --max-restarts N``) restarts every
+    worker when one fails, with ``TORCHELASTIC_RESTART_COUNT`` counting the restarts. A
+    restarted real (not simulated) run with a ``run_dir`` and no ``--resume`` resumes from
+    the run's newest checkpoint as if ``--resume`` had been given; with no checkpoint yet
+    (the failure came before the first), it starts over from step 0. Each worker decides from
+    what it sees in ``run_dir``; the agreement check at the start of training and the agreed
+    step of the checkpoint stop every worker if they saw different things.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        raise ValueError("TORCHELASTIC_RESTART_COUNT must be an integer, got "
+                         f"{env['TORCHELASTIC_RESTART_COUNT']!r}") from None
+    if count <= 0 or config.sim or config.resume or not config.run_dir:
+        return 0
+    return count if ckpt.checkpoint_candidates(config.run_dir) else 0
+
+
+def run_training(config: TrainConfig) -> dict[str, Any]:
+    """Run ``config`` in the simulator (``sim > 0``) or in this process of a launched job.
+
+    Returns this process's summary (rank 0's in the simulator), with ``mode``,
+    ``world_size`` and ``history`` (rank 0's eval records) added.
+    """
+    dataset = prepare(config)
+    restart = elastic_restart(config)
+    if restart:
+        config = config.replace(resume=True)
+    if config.resume:
+        check_resume(config)
+    from gossamer.train.loop import train_worker
+
+    if config.sim > 0:
+        from gossamer.comm import SimWorld
+
+        algorithm = config.algorithm.resolve(config.sim)  # once, for every worker
+        check_shards(config, dataset, config.sim)
+        if config.run_dir and not config.resume:
+            _write_run_dir(config, dataset, config.sim)
+        world = SimWorld(
+            config.sim,
+            network=config.network_model(),
+            compute=config.compute_model(),
+            seed=config.seed,
+            timeout=config.timeout if config.timeout is not None else default_timeout("sim"),
+        )
+        result = world.run(train_worker, config, dataset, algorithm=algorithm)[0]
+        result["mode"] = "simulated"
+    else:
+        from gossamer.comm.torch_comm import TorchCommunicator
+
+        comm = TorchCommunicator.from_env(timeout=config.timeout, bind_all=config.bind_all)
+        try:
+            if restart and comm.rank == 0:
+                print(f"gossamer: restart {restart} of the worker group: resuming from "
+                      f"{ckpt.checkpoint_candidates(config.run_dir)[0].name}", file=sys.stderr)
+            algorithm = config.algorithm.resolve(comm.world_size)
+            check_shards(config, dataset, comm.world_size)
+            if config.run_dir and not config.resume:
+                if comm.rank == 0:
+                    _write_run_dir(config, dataset, comm.world_size)
+                comm.barrier()
+            result = train_worker(comm, config, dataset, algorithm=algorithm)
+        finally:
+            comm.close()
+        result["mode"] = "torch.distributed"
+    if config.run_dir and result.get("rank") == 0:
+        from gossamer.train.report import load_metrics, plot_runs
+
+        plot_runs([load_metrics(config.run_dir)], Path(config.run_dir) / "plots")
+    return result
