@@ -11,6 +11,14 @@ seeded and identical on all ranks, every round of ``ceil(log2 nodes)`` steps. Af
 every node's gradient has reached every other node, yet each worker sends one model's worth of
 bytes per step (plus the local all-reduce), whatever the number of nodes.
 
+With a ``compression`` (a registered compressor by name, :mod:`gossamer.compress.registry`),
+each node sends its partner the compressed gradient instead, tensor by tensor with error
+feedback: ``sent = decompress(compress(g + e))``, ``e = g + e - sent``, and the two sent
+gradients are averaged. Compressors of one round whose memory is error feedback or none apply
+(``topk``, ``randomk``, ``qsgd``, ``fp16``); PowerSGD's second round needs the sum over a
+pair that the DISSEMINATION schedule does not form, and DGC's momentum correction is
+AllReduce's.
+
 The gradients that different nodes apply differ, so their parameters drift apart (gossip):
 an exact average of the parameters is taken at the end (``average_at_end``, default True),
 and optionally before evaluations or every K steps.
@@ -35,19 +43,31 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
-from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.buckets import Buckets, apply_flat
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.compress.base import Compressor, Memory, value_dtype
+from gossamer.compress.cast import NoCompression
+from gossamer.compress.dgc import DGCMemory
+from gossamer.compress.payloads import Payload, pack_bytes, unpack_bytes
+from gossamer.compress.registry import (
+    Compression,
+    available_compressors,
+    lookup_compression,
+)
+from gossamer.options import option
 from gossamer.topology.gossipgrad import GossipGradSchedule, check_gossipgrad_topology
 
-__all__ = ["GossipGraD", "GossipGraDRuntime", "GradientGossip", "check_local_group_size"]
+__all__ = ["GossipGraD", "GossipGraDRuntime", "GradientGossip", "check_gossip_compression",
+           "check_local_group_size"]
 
 
 def check_local_group_size(local_group_size: object, world_size: int) -> int:
@@ -117,6 +137,69 @@ class GradientGossip:
             received = handle.wait()[recv_from]
             buffer.add_(received).mul_(0.5)  # a + b == b + a: CUBE partners agree bit for bit
 
+    @torch.no_grad()
+    def combine_compressed(self, grads: Sequence[tuple[str, torch.Tensor]], step: int,
+                           compressor: Compressor, memory: Memory | None) -> None:
+        """:meth:`combine` through ``compressor`` (this worker's own copy) and ``memory``:
+        replace each named gradient, in place, by the mean of what this node and its partner
+        sent (the local group's mean first, exact). Every worker passes the same names and
+        shapes in the same order. The members of a node compress the same mean with the same
+        seeds and memory, so they stay equal."""
+        local = self.local
+        if local is not None:
+            apply_flat([g for _, g in grads], lambda buffer: local.all_reduce(buffer, op="mean"))
+        peers = self.partner_ranks(step)
+        if peers is None:
+            return
+        send_to, recv_from = peers
+        compressor.set_step(step)
+        dense = NoCompression()
+        items = []  # (name, gradient, compensated, its compressor, payload)
+        for key, g in grads:
+            c = memory.compensate(key, g) if memory is not None else g
+            own = compressor if compressor.compresses(c) else dense
+            if own is dense and c.dtype != value_dtype(c.dtype):
+                c = c.to(value_dtype(c.dtype))
+            items.append((key, g, c, own, own.compress(c, key)))
+        payloads: list[Payload] = [item[4] for item in items]
+        packed = pack_bytes(payloads)
+        # the payloads' sizes may differ between workers (a threshold's): the size goes first
+        size = torch.tensor([packed.numel()], dtype=torch.int64, device=packed.device)
+        theirs_size = int(self.comm.exchange({send_to: size}, [recv_from]).wait()[recv_from])
+        received = self.comm.exchange({send_to: packed}, [recv_from], recv_like=torch.empty(
+            theirs_size, dtype=torch.uint8, device=packed.device)).wait()[recv_from]
+        theirs = unpack_bytes(received, payloads)
+        for (key, g, c, own, payload), other in zip(items, theirs, strict=True):
+            out = torch.zeros(c.numel(), dtype=value_dtype(c.dtype), device=c.device)
+            own.decompress_add(payload, key, out)
+            own.decompress_add(other, key, out)  # a + b == b + a: CUBE partners agree
+            if memory is not None:
+                memory.update(key, c, payload, own)
+            g.copy_(out.mul_(0.5).view_as(g))
+
+
+def check_gossip_compression(compression: Compression) -> None:
+    """ValueError naming ``compression`` unless a gossip exchange can carry it: one round
+    (PowerSGD's second needs a sum over every worker of the first) and a memory that is
+    error feedback or none (DGC's momentum correction is AllReduce's)."""
+    compressor, memory = compression.build(1)
+    problem = None
+    if compressor.rounds > 1:
+        problem = f"{type(compressor).__name__} makes {compressor.rounds} collective rounds"
+    elif isinstance(memory, DGCMemory):
+        problem = "its momentum correction needs every worker's average (allreduce)"
+    if problem is not None:
+        usable = [name for name in available_compressors()
+                  if _gossipable(lookup_compression(name)())]
+        raise ValueError(f"compression {compression.name!r} cannot go through gossipgrad's "
+                         f"pairwise exchange: {problem}; gossipgrad takes "
+                         f"{', '.join(usable)}")
+
+
+def _gossipable(compression: Compression) -> bool:
+    compressor, memory = compression.build(1)
+    return compressor.rounds == 1 and not isinstance(memory, DGCMemory)
+
 
 @dataclass(frozen=True, kw_only=True)
 class GossipGraD(Algorithm):
@@ -136,6 +219,11 @@ class GossipGraD(Algorithm):
             (default False; changes the trajectory).
         average_at_end: exact average after the last step, so all replicas end equal
             (default True).
+        compression: a registered compressor and its options, sending each partner the
+            compressed gradient with error feedback: a
+            :class:`~gossamer.compress.Compression` or its spec, ``"topk:ratio=0.01"``
+            (default None: exact gradients). One-round compressors without momentum
+            correction: ``topk``, ``randomk``, ``qsgd``, ``fp16``.
 
     Example::
 
@@ -155,8 +243,14 @@ class GossipGraD(Algorithm):
     allreduce_every: int = 0  # an exact average every K steps (0: never); lower: closer
     average_before_eval: bool = False  # exact average before each evaluation
     average_at_end: bool = True  # exact average after the last step, so all end equal
+    compression: Compression | str | None = option(
+        None, "a compressor spec NAME[:KEY=VALUE...] for the partner exchange, with error "
+        "feedback (topk, randomk, qsgd, fp16); none: exact gradients")
 
     def __post_init__(self) -> None:
+        if self.compression is not None:
+            object.__setattr__(self, "compression", compression_argument(self.compression))
+            check_gossip_compression(self.compression)
         object.__setattr__(self, "topology", check_gossipgrad_topology(self.topology))
         check_int("local_group_size", self.local_group_size, 1)
         check_int("seed", self.seed, 0)
@@ -194,6 +288,17 @@ class GossipGraDRuntime(ExactAverages, Runtime):
         self.gossip = GradientGossip(comm, topology=config.topology,
                                      local_group_size=config.local_group_size,
                                      seed=config.seed, shuffle=config.shuffle)
+        self.compressor: Compressor | None = None
+        self.memory: Memory | None = None
+        if config.compression is not None:
+            assert isinstance(config.compression, Compression)
+            compressor, memory = config.compression.build(comm.world_size)
+            # the members of a node compress the same mean: the same draws and memory
+            self.compressor = compressor.for_worker(self.gossip.node)
+            self.memory = memory.fresh() if memory is not None else None
+            # by name: the same order on every worker, whatever order the model registers
+            self.named = sorted(((name, p) for name, p in model.named_parameters()
+                                 if p.requires_grad), key=lambda item: item[0])
 
     def check_gradients(self) -> None:
         """Nothing here: after_backward checks the flat copy it sends."""
@@ -201,6 +306,9 @@ class GossipGraDRuntime(ExactAverages, Runtime):
 
     @torch.no_grad()
     def after_backward(self) -> None:
+        if self.compressor is not None:
+            self._compressed()
+            return
         self.buckets.gather([p.grad for p in self.params])
         if not all_finite(self.buckets.buffers):
             if self.nonfinite == "raise":
@@ -218,5 +326,35 @@ class GossipGraDRuntime(ExactAverages, Runtime):
             else:
                 p.grad.copy_(combined)
 
+    def _compressed(self) -> None:
+        for _, p in self.named:
+            if p.grad is None:  # unused here, maybe not at the partner: its gradient is zero
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for _, p in self.named]
+        if not all_finite(grads):
+            if self.nonfinite == "raise":
+                raise self.nonfinite_error("gradient")
+            for grad in grads:  # zeros in its place: no memory ever holds the value
+                grad.zero_()
+            self.skipped_steps += 1
+        assert self.compressor is not None
+        self.gossip.combine_compressed([(name, p.grad) for name, p in self.named], self.step,
+                                       self.compressor, self.memory)
+
     def after_step(self) -> None:
         self.periodic_average()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.compressor is not None:
+            state["compression"] = {
+                "compressor": self.compressor.state_dict(),
+                "memory": self.memory.state_dict() if self.memory is not None else None}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state["compression"]["compressor"])
+            if self.memory is not None:
+                self.memory.load_state_dict(state["compression"]["memory"])
