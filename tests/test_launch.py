@@ -48,7 +48,7 @@ HEADERS = 66  # bytes per frame: Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps
 
 def test_link_spec_reads_every_key():
     spec = parse_link_spec("bandwidth=1gbit, delay=1ms,jitter=100us,loss=0.5%,mtu=9000")
-    assert spec == LinkSpec(bandwidth=1e9, delay=1e-3, jitter=1e-4, loss=0.005, mtu=9000)
+    assert spec == LinkSpec(bandwidth="1gbit", delay=1e-3, jitter=1e-4, loss=0.005, mtu=9000)
     assert parse_link_spec("loss=0.01").loss == 0.01  # without %, a fraction
     assert parse_link_spec("") == LinkSpec()
     assert parse_link_spec(spec.describe()) == spec
@@ -71,12 +71,24 @@ def test_bad_emulate_strings_name_the_option_and_key(text, message):
     assert message in str(info.value)
 
 
+def test_link_bandwidth_is_a_rate_kept_in_bytes_per_second():
+    assert LinkSpec(bandwidth="1gbit").bandwidth == 125e6
+    assert LinkSpec(bandwidth="1gbit") == LinkSpec(bandwidth="125MB/s") == \
+        LinkSpec(bandwidth=125e6) == parse_link_spec("bandwidth=1 Gbit/s")
+    assert parse_link_spec("bandwidth=12.5e6").bandwidth == 12.5e6  # a bare number: bytes/s
+    assert LinkSpec(bandwidth="250mbit").describe() == "bandwidth=250mbit"  # as tc writes it
+    with pytest.raises(ValueError, match="at least 1kbit"):
+        LinkSpec(bandwidth="500bit")
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkSpec(bandwidth="fast")
+
+
 def test_rank_override_makes_one_slow_link():
     args = build_parser().parse_args(
         ["launch", "--nproc", "4", "--emulate", "bandwidth=1gbit,delay=1ms",
          "--emulate-rank", "3:bandwidth=250mbit", "--", "--steps", "5"])
     links = links_from_args(args)
-    assert [link.bandwidth for link in links] == [1e9, 1e9, 1e9, 250e6]
+    assert [link.bandwidth for link in links] == [125e6, 125e6, 125e6, 31.25e6]  # bytes/s
     assert all(link.delay == 1e-3 for link in links)  # an override keeps the other keys
     no_emulation = build_parser().parse_args(["launch", "--nproc", "2", "--", "--steps", "5"])
     assert links_from_args(no_emulation) is None
@@ -118,7 +130,7 @@ def test_emulation_without_root_or_tools_says_so_and_exits_2(missing, message, m
 
 
 def test_qdiscs_netem_on_the_switch_side_tbf_on_both():
-    link = LinkSpec(bandwidth=1e9, delay=1e-3, jitter=1e-4, loss=0.01)
+    link = LinkSpec(bandwidth="1gbit", delay=1e-3, jitter=1e-4, loss=0.01)
     switch_side = netem._qdisc_commands("sw", "gsms0", link, netem=True)
     worker_side = netem._qdisc_commands("n0", "gsmw0", link, netem=False)
     assert [" ".join(cmd) for cmd in switch_side] == [
@@ -196,7 +208,7 @@ def _root_links() -> list[str]:
 
 @emulated
 def test_one_slow_link_is_shaped_both_ways_and_counters_count_frames():
-    fast, slow = LinkSpec(), LinkSpec(bandwidth=20e6)
+    fast, slow = LinkSpec(), LinkSpec(bandwidth="20mbit")
     nbytes = 3_000_000
     with Network([fast, slow, fast]) as net:
         tag = net.tag
@@ -239,7 +251,7 @@ _HOLD_NETWORK = textwrap.dedent("""
     netem = importlib.util.module_from_spec(spec)
     sys.modules["netem"] = netem
     spec.loader.exec_module(netem)
-    with netem.Network([netem.LinkSpec(bandwidth=1e8)] * 2) as net:
+    with netem.Network([netem.LinkSpec(bandwidth="100mbit")] * 2) as net:
         print(net.tag, flush=True)
         time.sleep(60)
 """)
@@ -368,7 +380,7 @@ def test_emulated_run_moves_the_bytes_the_library_counts(tmp_path, record_proper
     out, err = io.StringIO(), io.StringIO()
     code = launch(["--steps", "200", "--model", "mlp", "--eval-every", "0", "--quiet",
                    "--run-dir", str(tmp_path)], 2,
-                  links=[LinkSpec(bandwidth=1e9)] * 2, stdout=out, stderr=err)
+                  links=[LinkSpec(bandwidth="1gbit")] * 2, stdout=out, stderr=err)
     assert code == 0, err.getvalue()
     assert "[rank 0] bytes sent per worker" in out.getvalue()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]

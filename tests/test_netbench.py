@@ -106,7 +106,7 @@ def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traff
 
     size = 10**6
     results, traffic = run_task(
-        [LinkSpec(bandwidth=1e9, mtu=9000)] * 2,
+        [LinkSpec(bandwidth="1gbit", mtu=9000)] * 2,
         {"kind": "collectives", "args": {"sizes": [size], "reps": {str(size): 2}}},
         timeout=60, echo=False)
     assert [r["rank"] for r in results] == [0, 1]

@@ -50,7 +50,7 @@ def test_parse_rate_refuses_rates_that_are_not_positive_and_finite(value) -> Non
 
 
 def test_parse_rate_refuses_bps_as_ambiguous() -> None:
-    with pytest.raises(ValueError, match=r"^rate='100Mbps': 'bps' is ambiguous"):
+    with pytest.raises(ValueError, match=r"^rate='100Mbps' is not a rate: 'bps' is ambiguous"):
         parse_rate("100Mbps")
 
 
@@ -71,3 +71,28 @@ def test_format_rate_writes_bits_per_second(rate, text) -> None:
 @pytest.mark.parametrize("rate", [125e6, 12.5e6, 62.5e3, 1.5e9, 10.0, 3.7e7])
 def test_format_rate_round_trips_through_parse_rate(rate) -> None:
     assert parse_rate(format_rate(rate)) == pytest.approx(rate, rel=1e-5)
+
+
+def test_the_simulator_and_the_emulator_read_one_rate_alike() -> None:
+    """One `gossamer launch` line can carry both: the same text is the same bytes per second."""
+    from gossamer.comm import NetworkModel
+    from gossamer.launch import LinkSpec, parse_link_spec
+
+    for text in ("1gbit", "250mbit", "125MB/s", "12.5e6"):
+        simulated = NetworkModel(bandwidth=text, link_bandwidth={(0, 1): text})
+        emulated = parse_link_spec(f"bandwidth={text}")
+        assert simulated.bandwidth == simulated.link_bandwidth[(0, 1)] == \
+            LinkSpec(bandwidth=text).bandwidth == emulated.bandwidth == parse_rate(text)
+    assert NetworkModel(bandwidth="1gbit").transfer_time(0, 1, 125_000_000) == 1.0
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"bandwidth": "fast"}, "bandwidth"),
+    ({"bandwidth": "-1gbit"}, "bandwidth"),
+    ({"link_bandwidth": {(0, 1): "1 furlong"}}, r"link_bandwidth\[\(0, 1\)\]"),
+])
+def test_network_model_names_the_bad_rate(kwargs, name) -> None:
+    from gossamer.comm import NetworkModel
+
+    with pytest.raises(ValueError, match=f"^{name}"):
+        NetworkModel(**kwargs)

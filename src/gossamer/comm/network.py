@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gossamer.checks import check_positive
+from gossamer.comm.rate import parse_rate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,9 +19,12 @@ class NetworkModel:
 
     Args:
         latency: seconds per message, alpha (default 50e-6, a switched Ethernet hop).
-        bandwidth: bytes per second of every link, 1 / beta (default 125e6: 1 Gbit/s).
+        bandwidth: every link's rate, 1 / beta: bytes per second, or a rate such as
+            ``"1gbit"`` or ``"125MB/s"`` (:func:`gossamer.comm.rate.parse_rate`); kept in
+            bytes per second (default 125e6: 1 Gbit/s).
         link_latency: per-(sender, receiver) overrides of ``latency``.
-        link_bandwidth: per-(sender, receiver) overrides of ``bandwidth``, e.g. a slow link.
+        link_bandwidth: per-(sender, receiver) overrides of ``bandwidth`` (rates too), e.g. a
+            slow link.
         size_scale: every message counts this many times its real size when its time is
             computed (default 1): simulates a model ``size_scale`` times larger than the one
             computed, e.g. ResNet-50's 25.6M parameters with a 0.1M-parameter stand-in. Byte
@@ -28,8 +32,8 @@ class NetworkModel:
 
     Example::
 
-        net = NetworkModel(latency=5e-6, bandwidth=12.5e9)  # 100 Gbit/s
-        slow = NetworkModel(bandwidth=125e6, link_bandwidth={(0, 1): 12.5e6})
+        net = NetworkModel(latency=5e-6, bandwidth="100gbit")  # bandwidth == 12.5e9 bytes/s
+        slow = NetworkModel(bandwidth=125e6, link_bandwidth={(0, 1): "100mbit"})
     """
 
     latency: float = 50e-6  # lower: small messages (gossip, barriers) get cheaper
@@ -41,11 +45,13 @@ class NetworkModel:
     def __post_init__(self) -> None:
         check_positive("size_scale", self.size_scale, allow_zero=False)
         check_positive("latency", self.latency, allow_zero=True)
-        check_positive("bandwidth", self.bandwidth, allow_zero=False)
+        # rates in, bytes per second kept: frozen, so set through object.__setattr__
+        object.__setattr__(self, "bandwidth", parse_rate(self.bandwidth, arg="bandwidth"))
         for (i, j), value in self.link_latency.items():
             check_positive(f"link_latency[({i}, {j})]", value, allow_zero=True)
-        for (i, j), value in self.link_bandwidth.items():
-            check_positive(f"link_bandwidth[({i}, {j})]", value, allow_zero=False)
+        object.__setattr__(self, "link_bandwidth", {
+            (i, j): parse_rate(value, arg=f"link_bandwidth[({i}, {j})]")
+            for (i, j), value in self.link_bandwidth.items()})
 
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds the sender's NIC is busy with a message (no latency)."""

@@ -64,8 +64,8 @@ def _parse_text(value: str, arg: str) -> float:
     except ValueError:
         pass
     if re.search(r"bps$", text, re.IGNORECASE):
-        raise ValueError(f"{arg}={value!r}: 'bps' is ambiguous (tc reads bytes, most people "
-                         "bits); write bit or B/s, e.g. 100mbit or 12.5MB/s")
+        raise ValueError(f"{arg}={value!r} is not a rate: 'bps' is ambiguous (tc reads bytes, "
+                         "most people bits); write bit or B/s, e.g. 100mbit or 12.5MB/s")
     match = _BITS.fullmatch(text)
     if match is not None:
         return float(match.group(1)) * _PREFIXES[match.group(2).lower()] / 8

@@ -13,7 +13,7 @@ Example::
 
     from gossamer.launch import LinkSpec, launch
 
-    launch(["--steps", "100"], nproc=4, links=[LinkSpec(bandwidth=1e9, delay=1e-3)] * 4)
+    launch(["--steps", "100"], nproc=4, links=[LinkSpec(bandwidth="1gbit", delay=1e-3)] * 4)
 """
 
 from gossamer.launch.launcher import launch

@@ -34,9 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--emulate", nargs="?", const="", default=None, metavar="SPEC",
         help="run each worker in its own network namespace, linked to a bridge; SPEC shapes "
-        "every link: bandwidth=RATE (e.g. 1gbit, 100mbit), delay=TIME and jitter=TIME (e.g. "
-        "1ms, 200us), loss=PERCENT%% (or a fraction), mtu=BYTES; keys may be left out (needs "
-        "root, ip and tc)",
+        "every link: bandwidth=RATE each way (bits: 1gbit, 100mbit; bytes: 125MB/s; a bare "
+        "number is bytes per second), delay=TIME and jitter=TIME (e.g. 1ms, 200us), "
+        "loss=PERCENT%% (or a fraction), mtu=BYTES; keys may be left out (needs root, ip "
+        "and tc)",
     )
     parser.add_argument(
         "--emulate-rank", action="append", default=[], metavar="RANK:SPEC",

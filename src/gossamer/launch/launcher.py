@@ -19,7 +19,7 @@ number.
 Example::
 
     code = launch(["--steps", "100", "--run-dir", "runs/ar"], nproc=2,
-                  links=[LinkSpec(bandwidth=1e9)] * 2)
+                  links=[LinkSpec(bandwidth="1gbit")] * 2)
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ network stack.
 
 What a link does to traffic (:class:`LinkSpec`):
 
-- ``bandwidth``: a token bucket (tc ``tbf``) on both ends of the veth, so the worker's upload
-  and download are each limited to it;
+- ``bandwidth`` (bytes per second, or a rate such as ``1gbit``; see
+  :func:`gossamer.comm.rate.parse_rate`): a token bucket (tc ``tbf``) on both ends of the
+  veth, so the worker's upload and download are each limited to it;
 - ``delay``, ``jitter``, ``loss``: ``netem`` on the switch's end, so they act on the packets
   delivered *to* the worker. A message from worker a to worker b is thus delayed by b's delay,
   and a round trip between them takes ``delay_a + delay_b``; with one setting for every link a
@@ -30,7 +31,7 @@ Needs root, ``ip`` and ``tc`` (iproute2): :func:`check_prerequisites`.
 
 Example::
 
-    with Network([LinkSpec(bandwidth=1e9, delay=1e-3)] * 2) as net:
+    with Network([LinkSpec(bandwidth="1gbit", delay=1e-3)] * 2) as net:
         subprocess.run([*net.exec_prefix(0), "python", "worker.py"])
         print(net.counters(0)["tx_bytes"])
 """
@@ -55,6 +56,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gossamer.comm.rate import parse_rate
+
 __all__ = [
     "PREFIX",
     "EmulationUnavailable",
@@ -75,7 +78,8 @@ BRIDGE = "gsmbr"  # the switch, in the switch namespace
 # `ip netns exec NS` mounts the files of /etc/netns/NS over /etc: each node gets a hosts file
 # that names every node (node0, node1, ...), so that reverse lookups of peers succeed at once
 NETNS_ETC = Path("/etc/netns")
-_UNSHAPED_RATE = 10e9  # bits/s assumed for a link without a bandwidth, to size netem's queue
+_UNSHAPED_RATE = 1.25e9  # bytes/s (10 Gbit/s) assumed for a link without a bandwidth, to size
+# netem's queue
 _COMMAND_TIMEOUT = 30.0  # seconds for one ip/tc command: they take milliseconds
 _HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -115,8 +119,10 @@ class LinkSpec:
     """How one worker's link to the switch treats traffic. The defaults change nothing.
 
     Args:
-        bandwidth: bits per second each way (tbf on both ends); None: as fast as the veth
-            goes (default None). Lower: slower link.
+        bandwidth: bytes per second each way (tbf on both ends), or a rate such as
+            ``"1gbit"`` or ``"125MB/s"`` (:func:`gossamer.comm.rate.parse_rate`), at least
+            1kbit; kept in bytes per second. None: as fast as the veth goes (default None).
+            Lower: slower link.
         delay: seconds added to every packet delivered to the worker (netem; default 0.0).
         jitter: seconds; each packet's delay is drawn uniformly from ``delay +- jitter``
             (default 0.0). Jitter reorders packets, as netem does.
@@ -132,10 +138,12 @@ class LinkSpec:
     mtu: int = 1500
 
     def __post_init__(self) -> None:
-        if self.bandwidth is not None and not (self.bandwidth >= 1000 and
-                                               math.isfinite(self.bandwidth)):
-            raise ValueError(f"bandwidth must be at least 1kbit (1000 bits/s), got "
-                             f"{self.bandwidth!r}")
+        if self.bandwidth is not None:
+            rate = parse_rate(self.bandwidth, arg="bandwidth")
+            if rate < _MIN_RATE:
+                raise ValueError(f"bandwidth must be at least 1kbit ({_MIN_RATE:g} bytes/s), "
+                                 f"got {self.bandwidth!r}")
+            object.__setattr__(self, "bandwidth", rate)
         for name in ("delay", "jitter"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -157,7 +165,7 @@ class LinkSpec:
         """``bandwidth=1gbit,delay=1ms,...``, the way :func:`parse_link_spec` reads it."""
         parts = []
         if self.bandwidth:
-            parts.append(f"bandwidth={_format_rate(self.bandwidth)}")
+            parts.append(f"bandwidth={_tc_rate(self.bandwidth)}")
         if self.delay:
             parts.append(f"delay={_format_time(self.delay)}")
         if self.jitter:
@@ -169,17 +177,9 @@ class LinkSpec:
         return ",".join(parts) or "unshaped"
 
 
-_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_MIN_RATE = 125.0  # bytes/s: 1kbit, tc's smallest unit
 _TIME_UNITS = {"us": 1e6, "ms": 1e3, "s": 1.0}  # divisors: 100us is exactly 1e-4
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
-
-
-def _parse_rate(key: str, value: str) -> float:
-    match = re.fullmatch(_NUMBER + r"\s*([a-z]+)", value.strip().lower())
-    if match is None or match.group(2) not in _RATE_UNITS:
-        raise ValueError(f"{key}={value!r} is not a rate such as 100mbit or 1gbit (units: "
-                         f"{', '.join(_RATE_UNITS)})")
-    return float(match.group(1)) * _RATE_UNITS[match.group(2)]
 
 
 def _parse_time(key: str, value: str) -> float:
@@ -204,9 +204,10 @@ def parse_link_spec(text: str, base: LinkSpec | None = None,
                     option: str = "--emulate") -> LinkSpec:
     """Read ``bandwidth=1gbit,delay=1ms,jitter=100us,loss=0.1%,mtu=9000`` onto ``base``.
 
-    Keys may be left out (they keep ``base``'s value); an empty string gives ``base``. Loss is
-    a percentage with ``%``, a fraction without. Raises ValueError naming ``option`` and the
-    key that is wrong.
+    The bandwidth is any rate :func:`gossamer.comm.rate.parse_rate` reads (``1gbit``,
+    ``100mbit``, ``125MB/s``; a bare number is bytes per second). Keys may be left out (they
+    keep ``base``'s value); an empty string gives ``base``. Loss is a percentage with ``%``, a
+    fraction without. Raises ValueError naming ``option`` and the key that is wrong.
     """
     spec = base if base is not None else LinkSpec()
     changes: dict[str, float | int | None] = {}
@@ -219,7 +220,7 @@ def parse_link_spec(text: str, base: LinkSpec | None = None,
             if key in changes:
                 raise ValueError(f"{key} is given twice")
             if key == "bandwidth":
-                changes[key] = _parse_rate(key, value)
+                changes[key] = parse_rate(value.strip(), arg=key)
             elif key in ("delay", "jitter"):
                 changes[key] = _parse_time(key, value)
             elif key == "loss":
@@ -236,7 +237,9 @@ def parse_link_spec(text: str, base: LinkSpec | None = None,
         raise ValueError(f"{option} {text!r}: {exc}") from None
 
 
-def _format_rate(bits: float) -> str:
+def _tc_rate(bytes_per_s: float) -> str:
+    """A rate as tc and ``--emulate`` write it: ``1gbit``."""
+    bits = bytes_per_s * 8
     for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits >= scale:
             return f"{bits / scale:g}{unit}"
@@ -589,7 +592,7 @@ def _qdisc_commands(ns: str, dev: str, link: LinkSpec, netem: bool) -> list[list
     if netem and (link.delay or link.loss):
         rate = link.bandwidth or _UNSHAPED_RATE
         # queue enough packets for the delay at the link's rate, so netem itself drops none
-        in_flight = rate / 8 * (link.delay + link.jitter) / link.mtu
+        in_flight = rate * (link.delay + link.jitter) / link.mtu
         limit = max(1000, math.ceil(2 * in_flight) + 100)
         args = ["netem", "limit", str(limit)]
         if link.delay:
@@ -601,10 +604,9 @@ def _qdisc_commands(ns: str, dev: str, link: LinkSpec, netem: bool) -> list[list
         commands.append([*tc, "root", "handle", "1:", *args])
         parent = ["parent", "1:1"]
     if link.bandwidth:
-        rate_bytes = link.bandwidth / 8
         # a bucket of 1 ms at the rate (at least a few frames); a queue of ~50 ms
-        burst = max(4 * link.mtu, math.ceil(rate_bytes * 1e-3))
-        limit = max(burst + 64 * link.mtu, math.ceil(rate_bytes * 0.05))
+        burst = max(4 * link.mtu, math.ceil(link.bandwidth * 1e-3))
+        limit = max(burst + 64 * link.mtu, math.ceil(link.bandwidth * 0.05))
         commands.append([*tc, *parent, "handle", "10:", "tbf", "rate",
-                         f"{link.bandwidth:.0f}bit", "burst", str(burst), "limit", str(limit)])
+                         f"{link.bandwidth * 8:.0f}bit", "burst", str(burst), "limit", str(limit)])
     return commands
