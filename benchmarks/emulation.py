@@ -44,7 +44,7 @@ def require_emulation() -> None:
     """Raise :class:`EmulationUnavailable` saying what is missing (root, ip, tc, the tbf
     qdisc), by building and removing a one-node shaped network."""
     check_prerequisites()
-    with Network([LinkSpec(bandwidth=1e9)]):
+    with Network([LinkSpec(bandwidth="1gbit")]):
         pass
 
 

@@ -129,9 +129,10 @@ def _links(settings: Settings, n: int, gbits: float, mtu: int | None = None,
            slow: dict[int, float] | None = None):
     from gossamer.launch import LinkSpec
 
-    links = [LinkSpec(bandwidth=gbits * 1e9, mtu=mtu or settings.mtu)] * n
+    # LinkSpec keeps bytes per second; the settings give bits per second
+    links = [LinkSpec(bandwidth=gbits * 1e9 / 8, mtu=mtu or settings.mtu)] * n
     for rank, rate in (slow or {}).items():
-        links[rank] = LinkSpec(bandwidth=rate, mtu=mtu or settings.mtu)
+        links[rank] = LinkSpec(bandwidth=rate / 8, mtu=mtu or settings.mtu)
     return links
 
 
