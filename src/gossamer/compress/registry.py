@@ -231,10 +231,12 @@ def _error_feedback(on: bool) -> Memory | None:
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class DGCCompression(Compression):
-    """Deep Gradient Compression (Lin et al., ICLR 2018): :class:`~gossamer.compress.DGCCompressor`
-    with :class:`~gossamer.compress.DGCMemory` (momentum correction, local accumulation,
-    momentum factor masking, local clipping). The memory takes the momentum, Nesterov and
-    weight decay of a ``torch.optim.SGD`` over when bound. See :mod:`gossamer.compress.dgc`.
+    """Deep Gradient Compression (Lin et al., ICLR 2018): sparse, momentum-corrected gradients.
+
+    :class:`~gossamer.compress.DGCCompressor` with :class:`~gossamer.compress.DGCMemory`
+    (momentum correction, local accumulation, momentum factor masking, local clipping). The
+    memory takes the momentum, Nesterov and weight decay of a ``torch.optim.SGD`` over when
+    bound. See :mod:`gossamer.compress.dgc`.
     """
 
     name: ClassVar[str] = "dgc"
@@ -266,7 +268,9 @@ class DGCCompression(Compression):
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class TopKCompression(Compression):
-    """Exact top-k sparsification (:class:`~gossamer.compress.TopK`), with error feedback."""
+    """Exact top-k sparsification with error feedback.
+
+    :class:`~gossamer.compress.TopK`, all-gathered."""
 
     name: ClassVar[str] = "topk"
 
@@ -283,8 +287,9 @@ class TopKCompression(Compression):
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class RandomKCompression(Compression):
-    """Random-k sparsification at positions every worker draws alike
-    (:class:`~gossamer.compress.RandomK`), with error feedback; only the values travel."""
+    """Random-k sparsification with error feedback, at positions every worker draws alike.
+
+    Only the values travel (:class:`~gossamer.compress.RandomK`)."""
 
     name: ClassVar[str] = "randomk"
 
@@ -299,8 +304,9 @@ class RandomKCompression(Compression):
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class QSGDCompression(Compression):
-    """QSGD stochastic quantization (Alistarh et al., NeurIPS 2017,
-    :class:`~gossamer.compress.QSGD`); unbiased, so without error feedback by default."""
+    """QSGD stochastic quantization (Alistarh et al., NeurIPS 2017), unbiased.
+
+    :class:`~gossamer.compress.QSGD`; without error feedback by default."""
 
     name: ClassVar[str] = "qsgd"
 
@@ -318,8 +324,9 @@ class QSGDCompression(Compression):
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class PowerSGDCompression(Compression):
-    """PowerSGD low-rank compression (Vogels et al., NeurIPS 2019,
-    :class:`~gossamer.compress.PowerSGD`), with error feedback as the paper."""
+    """PowerSGD low-rank compression (Vogels et al., NeurIPS 2019), with error feedback.
+
+    :class:`~gossamer.compress.PowerSGD`, in two all-reduces."""
 
     name: ClassVar[str] = "powersgd"
 
@@ -336,8 +343,9 @@ class PowerSGDCompression(Compression):
 @register_compression
 @dataclass(frozen=True, kw_only=True)
 class FP16Compression(Compression):
-    """Values in float16 (:class:`~gossamer.compress.FP16`) or bfloat16
-    (:class:`~gossamer.compress.BF16`): half the bytes, no memory."""
+    """Values in float16 or bfloat16: half the bytes, no memory.
+
+    :class:`~gossamer.compress.FP16` or :class:`~gossamer.compress.BF16`."""
 
     name: ClassVar[str] = "fp16"
 
