@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, results: Results) -> int:
     from gossamer.train.data import load_text, unigram_loss
-    from gossamer.train.loop import run_training
+    from gossamer.train.run import run_training
 
     rows = {}
     if "mnist" in args.tasks:

@@ -19,6 +19,13 @@ DATA = ROOT.parent / "shared" / "data"  # the data sets' folder beside the check
 RUN_DIR_UNSAFE = r"[^A-Za-z0-9_.=-]+"
 
 
+def split_entry(entry: str) -> tuple[str, dict[str, str]]:
+    """A ``gossamer compare`` entry as its name and options: ``"qsr:period=4"`` ->
+    ``("qsr", {"period": "4"})``."""
+    name, *pairs = entry.strip().split(":")
+    return name, dict(pair.split("=", 1) for pair in pairs)
+
+
 def recipe_config(recipe: str, data_path: str | Path, *, steps: int | None = None,
                   **overrides: Any) -> TrainConfig:
     """The training settings of ``recipes/RECIPE`` reading ``data_path``, with ``overrides``

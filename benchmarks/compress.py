@@ -43,6 +43,7 @@ from benchmarks.common import (
     add_steps_argument,
     cnn_bytes,
     mnist_cnn,
+    split_entry,
 )
 from gossamer.bench import Results, machine
 
@@ -207,8 +208,8 @@ def bytes_(args: argparse.Namespace, results: Results) -> None:
 
 
 def accuracy(args: argparse.Namespace, results: Results) -> None:
-    from gossamer.train.loop import run_training
     from gossamer.train.report import load_metrics, write_report
+    from gossamer.train.run import run_training
 
     base = mnist_cnn(args.data, steps=args.steps)
     torch.set_num_threads(args.threads)
@@ -224,8 +225,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
     for name, label in entries.items():
         run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
         if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
-            algorithm, *pairs = label.split(":")
-            options = dict(pair.split("=", 1) for pair in pairs)
+            algorithm, options = split_entry(label)
             started = time.perf_counter()
             run_training(config.replace(algorithm=algorithm, options=options,
                                         run_dir=str(run_dir)))
@@ -254,7 +254,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
 
 def digits(args: argparse.Namespace, results: Results) -> None:
     from gossamer.train.config import TrainConfig
-    from gossamer.train.loop import run_training
+    from gossamer.train.run import run_training
 
     rows = []
     for name in args.methods:

@@ -135,12 +135,12 @@ def plot_bytes(rows: list[dict], path: Path) -> Path:
 
 
 def accuracy(args: argparse.Namespace, results: Results) -> None:
-    from gossamer.train.compare import parse_algorithms, run_compare
+    from gossamer.train.compare import run_compare
     from gossamer.train.report import load_metrics
 
     base = mnist_cnn(args.data, steps=args.steps)
     model_bytes = cnn_bytes()
-    entries = parse_algorithms(args.algorithms)
+    labels = [entry.strip() for entry in args.algorithms.split(",")]
     rows = []
     for n in args.workers:
         steps = base.steps * 8 // n  # the same epochs at every worker count
@@ -149,7 +149,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         if not (args.reuse and (out / "report.md").exists()):
             run_compare(args.algorithms, config, out)
         reference = None
-        for label, _, _ in entries:
+        for label in labels:
             run = load_metrics(out / re.sub(RUN_DIR_UNSAFE, "_", label))
             final = run.final
             if reference is None:

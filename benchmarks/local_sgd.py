@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from benchmarks.common import ROOT, add_data_argument, recipe_config
+from benchmarks.common import ROOT, add_data_argument, recipe_config, split_entry
 from gossamer.bench import Results, markdown_table, new_figure
 
 if TYPE_CHECKING:
@@ -62,14 +62,12 @@ def entries(warmup: int, qsr: list[tuple[int, float]], naive: bool) -> list[str]
 
 def _replay_worker(comm, config: TrainConfig) -> tuple[list[tuple[int, int]], int]:
     import gossamer
-    from gossamer.algorithms import create
     from gossamer.train.config import learning_rate
 
     model = nn.Linear(1, 1)
     optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=config.lr),
-                                    create(config.algorithm, config.options), comm)
+                                    config.algorithm, comm, total_steps=config.steps)
     runtime = optimizer.runtime
-    runtime.total_steps = config.steps
     for step in range(config.steps):  # no gradients: the schedule depends on the lr alone
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step)
@@ -100,8 +98,7 @@ def run_lengths(periods: list[tuple[int, int]]) -> str:
 
 def display(entry: str) -> str:
     """A table's name for an entry: ``"localsgd:period=4"`` -> ``"localsgd H=4"``."""
-    name, *pairs = entry.split(":")
-    options = dict(p.split("=", 1) for p in pairs)
+    name, options = split_entry(entry)
     if name == "localsgd":
         return f"localsgd H={options['period']}"
     if name == "qsr":
@@ -112,14 +109,16 @@ def display(entry: str) -> str:
 
 def find_runs(out: Path, names: list[str]) -> dict[str, Any]:
     """The run directory of each entry under ``out``, told apart by algorithm and options."""
-    from gossamer.train.compare import parse_algorithms
+    from gossamer.train.config import resolve_algorithm
     from gossamer.train.report import load_metrics
 
     runs = [load_metrics(d) for d in sorted(out.iterdir()) if (d / "metrics.jsonl").is_file()]
+    # a run's algorithm as its config.yaml holds it: a name with options, or a spec mapping
+    held = [resolve_algorithm(r.config.get("algorithm"), r.config.get("options")) for r in runs]
     found = {}
-    for label, name, options in parse_algorithms(",".join(names)):
-        match = [r for r in runs if r.config.get("algorithm") == name
-                 and {k: str(v) for k, v in (r.config.get("options") or {}).items()} == options]
+    for label in names:
+        wanted = resolve_algorithm(*split_entry(label))
+        match = [r for r, algorithm in zip(runs, held, strict=True) if algorithm == wanted]
         if len(match) != 1:
             raise RuntimeError(f"{out}: {len(match)} run directories for {label!r}")
         found[label] = match[0]
@@ -154,9 +153,8 @@ def run(args: argparse.Namespace, results: Results) -> int:
     names = entries(base.warmup_steps, qsr, args.naive)
     schedules = {}
     for name in names:
-        algorithm, *pairs = name.split(":")
-        config = base.replace(algorithm=algorithm,
-                              options=dict(p.split("=", 1) for p in pairs))
+        algorithm, options = split_entry(name)
+        config = base.replace(algorithm=algorithm, options=options)
         schedules[name] = replay(config)
         if algorithm != "allreduce":
             print(f"{display(name):40s} H after each average: {run_lengths(schedules[name][0])}")

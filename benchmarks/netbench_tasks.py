@@ -301,7 +301,7 @@ def training_steps_all(comm, algorithms: list[str], **kwargs: Any) -> dict[str, 
 def _averaged_accuracy(comm, model: nn.Module, dataset) -> float:
     """Eval accuracy of the average of the replicas (every rank gets rank 0's figure)."""
     from gossamer.algorithms import model_tensors
-    from gossamer.train.loop import evaluate
+    from gossamer.train.metrics import evaluate
 
     averaged = copy.deepcopy(model)
     tensors = model_tensors(averaged)
@@ -344,7 +344,7 @@ def time_to_accuracy(
     from gossamer.algorithms import create
     from gossamer.train.config import TrainConfig, learning_rate
     from gossamer.train.data import ShardSampler, load_mnist, partition
-    from gossamer.train.loop import loss_fn
+    from gossamer.train.metrics import loss_fn
     from gossamer.train.models import SmallCNN
 
     name, options = ALGORITHMS[algorithm]
@@ -356,9 +356,8 @@ def time_to_accuracy(
     model = SmallCNN()
     opt = gossamer.distribute(
         model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
-        create(name, options), comm)
+        create(name, options), comm, total_steps=max_steps)
     runtime = opt.runtime
-    runtime.total_steps = max_steps
     shards = partition(dataset.y_train.numpy(), comm.world_size, seed=seed)
     sampler = ShardSampler(shards[comm.rank], batch, seed=seed * 7919 + comm.rank)
     trained = 0.0
