@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import sys
 from collections.abc import Sequence
@@ -164,12 +163,20 @@ def _algorithms(args: argparse.Namespace) -> int:
     from gossamer.algorithms import available, lookup
     from gossamer.options import describe_options
 
-    for name in available():
-        doc = (lookup(name).__doc__ or "").strip().splitlines()[0]
+    from gossamer.compress.registry import available_compressors, lookup_compression
+
+    def show(name: str, cls: type) -> None:
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
         print(f"{name}: {doc}")
-        for option, type_name, default, text in describe_options(lookup(name)):
+        for option, type_name, default, text in describe_options(cls):
             print(f"    {option} ({type_name}, default {default!r})"
                   + (f": {text}" if text else ""))
+
+    for name in available():
+        show(name, lookup(name))
+    print("\ncompressors (--compressor NAME[:KEY=VALUE...], with a gradient-level method):")
+    for name in available_compressors():
+        show(name, lookup_compression(name))
     return 0
 
 
@@ -215,8 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CommError, FloatingPointError) as error:
         # a worker of a real job: a peer stopped answering, or a non-finite value (the
         # message names the operation, the peer, the rank and the step)
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", ""))
-        where = f" (rank {rank})" if rank else ""
+        from gossamer.comm.environment import launched_rank
+
+        rank = launched_rank()
+        where = f" (rank {rank})" if rank is not None else ""
         print(f"gossamer {args.command}{where}: {type(error).__name__}: {error}",
               file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ there. Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -59,7 +60,9 @@ def describe_options(cls: type) -> list[tuple[str, str, Any, str]]:
 
 def type_name(tp: Any) -> str:
     """``float``, ``int | None``, ...: a type as a reader writes it."""
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if isinstance(tp, type):
+        return tp.__name__
+    return re.sub(r"\b(?:[a-z_][a-z0-9_]*\.)+([A-Za-z_]\w*)", r"\1", str(tp))
 
 
 def convert(key: str, value: Any, tp: Any, owner: str = "") -> Any:

@@ -16,6 +16,7 @@ from gossamer.algorithms.buckets import Buckets
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.options import option
 from gossamer.topology import Topology, build
 
 
@@ -26,10 +27,12 @@ class GossipAlgorithm(Algorithm):
     name: ClassVar[str]
     default_topology: ClassVar[str]
 
-    topology: str | Topology = ""  # a registered topology name, or a Topology object
-    allreduce_every: int = 0  # an exact average of all every K steps (0: never); lower: closer
-    average_before_eval: bool = False  # exact average before each evaluation (changes training)
-    average_at_end: bool = True  # exact average after the last step, so all end equal
+    topology: str | Topology = option("", "a registered topology name, or a Topology object")
+    allreduce_every: int = option(0,
+                                  "an exact average of all every K steps (0: never); lower: closer")
+    average_before_eval: bool = option(False,
+                                       "exact average before each evaluation (changes training)")
+    average_at_end: bool = option(True, "exact average after the last step, so all end equal")
     # the world size ``topology`` was built and checked for by resolve() (0: not resolved)
     _resolved_for: int = field(default=0, init=False, repr=False, compare=False)
 

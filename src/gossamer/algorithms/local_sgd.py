@@ -49,6 +49,7 @@ from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.options import option
 
 #: QSR's warm-up rules: keyed on ``warmup_steps`` (the QSR code) or on a rising learning rate
 QSR_WARMUPS = ("steps", "rising_lr")
@@ -80,13 +81,14 @@ class LocalSGD(Algorithm):
     #: cap each period by the steps left, so that the last step averages (QSR does)
     cap_to_end: ClassVar[bool] = False
 
-    period: int = 4  # H_base; higher: fewer averages, fewer bytes, more drift between replicas
-    warmup_steps: int = 0  # rounds starting before this step last warmup_period steps
-    warmup_period: int = 1  # H in the warm-up; 1: every step (post-local SGD)
-    average_optimizer_state: bool = False  # also average momentum / Adam moments
-    average_buffers: bool = False  # True: BatchNorm statistics averaged with the parameters
-    reestimate_batchnorm: int = 8  # minibatches per worker to re-estimate them before eval
-    average_at_end: bool = True  # all replicas equal after the last step
+    period: int = option(4,
+                         "H_base; higher: fewer averages, fewer bytes, more drift between replicas")
+    warmup_steps: int = option(0, "rounds starting before this step last warmup_period steps")
+    warmup_period: int = option(1, "H in the warm-up; 1: every step (post-local SGD)")
+    average_optimizer_state: bool = option(False, "also average momentum / Adam moments")
+    average_buffers: bool = option(False, "True: BatchNorm statistics averaged with the parameters")
+    reestimate_batchnorm: int = option(8, "minibatches per worker to re-estimate them before eval")
+    average_at_end: bool = option(True, "all replicas equal after the last step")
 
     def __post_init__(self) -> None:
         check_int("period", self.period, 1)
@@ -124,10 +126,11 @@ class QSR(LocalSGD):
     name: ClassVar[str] = "qsr"
     cap_to_end: ClassVar[bool] = True
 
-    period: int = 2  # H_base
-    alpha: float = 0.01  # higher: longer periods at the same learning rate
-    power: float = 2.0  # 2: the quadratic rule; 1: a linear one
-    warmup: str = "steps"  # "steps": warmup_steps; "rising_lr": H_base while the lr rises
+    period: int = option(2, "H_base, the shortest period; higher: fewer averages")
+    alpha: float = option(0.01, "higher: longer periods at the same learning rate")
+    power: float = option(2.0, "2: the quadratic rule; 1: a linear one")
+    warmup: str = option("steps",
+                         "\"steps\": warmup_steps; \"rising_lr\": H_base while the lr rises")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,6 +36,7 @@ from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.algorithms.pushsum import push_message, push_sum_send
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, Handle
+from gossamer.options import option
 from gossamer.topology import Topology
 
 
@@ -56,8 +57,8 @@ class SGP(GossipAlgorithm):
     name: ClassVar[str] = "sgp"
     default_topology: ClassVar[str] = "exponential"
 
-    peers_per_step: int = 1  # higher: faster mixing, proportionally more bytes per step
-    tau: int = 0  # higher: more overlap of communication with computation, staler mixing
+    peers_per_step: int = option(1, "higher: faster mixing, proportionally more bytes per step")
+    tau: int = option(0, "higher: more overlap of communication with computation, staler mixing")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,7 +89,7 @@ class OSGP(SGP):
 
     name: ClassVar[str] = "osgp"
 
-    tau: int = 1  # higher: more overlap of communication with computation, staler mixing
+    tau: int = option(1, "higher: more overlap of communication with computation, staler mixing")
 
 
 class SGPRuntime(GossipRuntime):

@@ -65,6 +65,7 @@ from torch import nn
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, Handle
+from gossamer.options import option
 
 # message kinds (the second of the three int64 values after the parameters)
 _DATA = 0  # a model published for a round
@@ -93,9 +94,9 @@ class WAGMA(GossipAlgorithm):
     name: ClassVar[str] = "wagma"
     default_topology: ClassVar[str] = "butterfly_groups"
 
-    group_size: int = 4  # higher: groups average more workers, more bytes per round
-    tau: int = 1  # higher: hides slower stragglers, staler contributions
-    allreduce_every: int = 10  # lower: closer replicas, more global barriers
+    group_size: int = option(4, "higher: groups average more workers, more bytes per round")
+    tau: int = option(1, "higher: hides slower stragglers, staler contributions")
+    allreduce_every: int = option(10, "lower: closer replicas, more global barriers")
 
     def __post_init__(self) -> None:
         super().__post_init__()

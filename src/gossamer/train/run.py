@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.comm.base import default_timeout
+from gossamer.comm.environment import launched
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
@@ -24,9 +25,9 @@ __all__ = ["check_resume", "check_shards", "elastic_restart", "launched_by_launc
 
 
 def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
-    """True when torchrun, SLURM or Open MPI started this process as one of several."""
-    env = os.environ if environ is None else environ
-    return any(k in env for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+    """True when torchrun, SLURM, Open MPI or ``gossamer launch`` started this process as one
+    of several (see :func:`gossamer.comm.environment.launched`)."""
+    return launched(environ)
 
 
 def prepare(config: TrainConfig) -> Dataset:
