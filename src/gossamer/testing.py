@@ -1,7 +1,9 @@
 """Run a function in several gloo processes on 127.0.0.1, for tests.
 
-Each child gets the environment torchrun would give it (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``fn`` typically starts with
+Each child is a fresh Python process, started and watched by
+:class:`gossamer.launch.supervisor.Supervisor`, with the environment torchrun would give it
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; see
+:mod:`gossamer.comm.environment`), so ``fn`` typically starts with
 ``TorchCommunicator.from_env()``. Example::
 
     def worker(n):
@@ -19,20 +21,27 @@ spawn, one after another (:func:`run_in_turn`, :func:`collect`)::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
-import queue
 import socket
-import time
+import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
+from multiprocessing import spawn as mp_spawn
+from pathlib import Path
 from typing import Any
+
+from gossamer.comm.environment import torchrun_variables, without_launcher
+from gossamer.launch.supervisor import Supervisor
 
 __all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo"]
 
-_GRACE = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
+_LINGER = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
+_GRACE = 2.0  # seconds between SIGTERM and SIGKILL when the children are stopped
+# what each child runs: its spawn folder and rank follow on the command line
+_CHILD = "from gossamer.testing import _child_main; _child_main()"
 
 
 def free_port() -> int:
@@ -42,35 +51,51 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _child(
-    fn: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, port: int,
-    results: Any,
-) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    # Each child is its own job: an outer torchrun's agent store must not be used.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    # Imported here so that importing gossamer.testing stays cheap for the parent.
-    import torch
+def _returned(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.returned"  # the pickled result
+
+
+def _raised(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.raised"  # the traceback
+
+
+def _child_main() -> None:
+    """A child of :func:`spawn_gloo`: ``fn(*args)`` into its result file, or its traceback."""
+    folder, rank = Path(sys.argv[1]), int(sys.argv[2])
+    failed = False
+    try:
+        with open(folder / "call.pkl", "rb") as f:
+            # as multiprocessing's spawn does: the parent's sys.path and __main__ first, so
+            # that fn and args unpickle as they were pickled
+            mp_spawn.prepare(pickle.load(f))
+            fn, args = pickle.load(f)
+        import torch
+
+        torch.set_num_threads(1)  # two cores for several processes: threads would only fight
+        # Pickled here, so that an unpicklable result is reported like any other error.
+        _write(_returned(folder, rank), pickle.dumps(fn(*args)))
+    except BaseException:
+        failed = True
+        _write(_raised(folder, rank), traceback.format_exc().encode())
+    finally:
+        _destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+def _write(path: Path, data: bytes) -> None:
+    """All of it or nothing: the parent reads the file once the child has exited."""
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
+def _destroy_process_group() -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # two cores for several processes: threads would only fight
-    try:
-        # Pickled here, so that an unpicklable result is reported like any other error.
-        message = (rank, True, pickle.dumps(fn(*args)))
-    except BaseException:
-        message = (rank, False, traceback.format_exc())
-    results.put(message)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - the result is sent; teardown errors don't matter
+        except Exception:  # noqa: BLE001 - the result is written; teardown errors don't matter
             pass
 
 
@@ -89,103 +114,54 @@ def spawn_gloo(
     ``allow_exit`` may exit without a result (None is returned for them), e.g. a test that
     kills a worker on purpose; any other rank that exits without a result is a failure. After
     ``timeout`` seconds a TimeoutError names the ranks that did not report. Children are
-    always killed and reaped before this returns.
+    always stopped and reaped before this returns (by :class:`gossamer.launch.supervisor.
+    Supervisor`; once one rank failed, the others get 10 s to report).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, tuple(args), rank, world_size, port, results),
-                    name=f"gossamer-rank{rank}", daemon=True)
-        for rank in range(world_size)
-    ]
-    reported: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout
-    first_failure: float | None = None
-    try:
-        for p in procs:
-            p.start()
-        while len(reported) < world_size:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if first_failure is not None and now >= first_failure + _GRACE:
-                break
-            try:
-                rank, ok, payload = results.get(timeout=0.1)
-            except queue.Empty:
-                pass
-            else:
-                reported[rank] = (ok, payload)
-                if not ok and first_failure is None:
-                    first_failure = time.monotonic()
-                continue
-            if first_failure is None and _vanished(procs, reported, allow_exit, results):
-                first_failure = time.monotonic()
-            if all(not p.is_alive() for p in procs) and results.empty():
-                break  # nobody is left to report
-    finally:
-        # Children that reported exit by themselves in a moment; the others are stuck.
-        _reap(procs, grace=5.0 if len(reported) == world_size else 0.0)
-        _drain(results, reported)
-        results.close()
-        results.join_thread()
+    with tempfile.TemporaryDirectory(prefix="gossamer-spawn-") as tmp:
+        folder = Path(tmp)
+        with open(folder / "call.pkl", "wb") as f:
+            preparation = mp_spawn.get_preparation_data("gossamer-spawn")
+            preparation.pop("authkey", None)  # no multiprocessing between parent and child
+            pickle.dump(preparation, f)
+            pickle.dump((fn, tuple(args)), f)
 
-    failures = []
-    for rank, p in enumerate(procs):
-        if rank in reported and not reported[rank][0]:
-            failures.append(f"--- rank {rank} raised:\n{reported[rank][1]}")
-        elif rank not in reported and rank not in allow_exit and first_failure is not None:
-            failures.append(f"--- rank {rank} exited without a result (exit code "
-                            f"{p.exitcode})")
+        def is_failure(rank: int, code: int) -> bool:
+            # a rank that wrote its result succeeded, whatever its exit (an abort at exit)
+            return _raised(folder, rank).exists() or (
+                not _returned(folder, rank).exists() and rank not in allow_exit)
+
+        # Each child is its own job: an outer launcher's variables (a torchrun agent's store)
+        # must not be used.
+        env = {**without_launcher(), "OMP_NUM_THREADS": "1"}
+        port = free_port()
+        with Supervisor(grace=_GRACE, linger=_LINGER, is_failure=is_failure) as children:
+            for rank in range(world_size):
+                children.start(rank, [sys.executable, "-c", _CHILD, str(folder), str(rank)],
+                               {**env, **torchrun_variables(rank, world_size, "127.0.0.1",
+                                                            port)})
+            outcome = children.wait(timeout)
+        results = {}
+        failures = []
+        for rank in range(world_size):
+            if _raised(folder, rank).exists():
+                failures.append(f"--- rank {rank} raised:\n"
+                                f"{_raised(folder, rank).read_text(errors='replace')}")
+            elif _returned(folder, rank).exists():
+                results[rank] = _returned(folder, rank).read_bytes()
+            elif rank not in allow_exit and outcome.failed is not None:
+                failures.append(f"--- rank {rank} exited without a result (exit code "
+                                f"{outcome.codes[rank]})")
     if failures:
         raise RuntimeError(f"spawn_gloo({_name(fn)}): {len(failures)} rank(s) failed\n"
                            + "\n".join(failures))
-    missing = [r for r in range(world_size) if r not in reported and r not in allow_exit]
+    missing = [r for r in range(world_size) if r not in results and r not in allow_exit]
     if missing:
         raise TimeoutError(
             f"spawn_gloo({_name(fn)}): ranks {missing} did not report within {timeout:g} s"
         )
-    return [pickle.loads(reported[r][1]) if r in reported else None for r in range(world_size)]
-
-
-def _vanished(procs: list, reported: dict, allow_exit: Collection[int], results: Any) -> bool:
-    """Whether a rank outside ``allow_exit`` died without a result (draining late results)."""
-    dead = [r for r, p in enumerate(procs)
-            if r not in reported and r not in allow_exit and not p.is_alive()]
-    if not dead:
-        return False
-    # A child writes its result before it exits, so what it sent is in the pipe by now.
-    _drain(results, reported)
-    return any(r not in reported for r in dead)
-
-
-def _drain(results: Any, reported: dict) -> None:
-    while True:
-        try:
-            rank, ok, payload = results.get_nowait()
-        except Exception:  # noqa: BLE001 - empty, closed, or cut short by a killed child
-            return
-        reported[rank] = (ok, payload)
-
-
-def _reap(procs: list, grace: float) -> None:
-    """Give the children ``grace`` seconds to exit, then terminate, then kill; join them all."""
-    end = time.monotonic() + grace
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        if p.pid is not None:
-            p.join(timeout=2.0)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    return [pickle.loads(results[r]) if r in results else None for r in range(world_size)]
 
 
 def _name(fn: Callable[..., Any]) -> str:
