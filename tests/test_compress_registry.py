@@ -23,6 +23,7 @@ from gossamer.algorithms import (
     TopKAllReduce,
     create,
     describe,
+    with_compression,
 )
 from gossamer.comm import SimWorld
 from gossamer.compress import (
@@ -33,7 +34,6 @@ from gossamer.compress import (
     available_compressors,
     lookup_compression,
     parse_compression,
-    with_compression,
 )
 from gossamer.compress.registry import DGCCompression, TopKCompression
 from gossamer.hooks import CompressionState, DGCState, TopKState

@@ -33,6 +33,8 @@ STRINGS = {
     "topology": [*TOPOLOGIES, "", "no-such-graph"],
     "dtype": ["float16", "bfloat16", "float32", "int8"],
     "aggregation": ["allreduce", "allgather", "sum"],
+    "compression": ["", "unknown", "topk:ratio=0.1", "qsgd:levels=3", "powersgd", "fp16",
+                    "randomk:ratio=2", "dgc:ratio=0.01"],
 }
 NOT_DRAWN = {"compressor", "memory"}  # Python objects, not settings a recipe can hold
 

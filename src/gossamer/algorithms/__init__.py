@@ -15,7 +15,14 @@ from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
 from gossamer.algorithms.pushsum import push_sum_average, push_sum_round
-from gossamer.algorithms.registry import available, create, describe, lookup, register
+from gossamer.algorithms.registry import (
+    available,
+    create,
+    describe,
+    lookup,
+    register,
+    with_compression,
+)
 from gossamer.algorithms.sgp import OSGP, SGP
 from gossamer.algorithms.wagma import WAGMA
 
@@ -51,4 +58,5 @@ __all__ = [
     "push_sum_average",
     "push_sum_round",
     "register",
+    "with_compression",
 ]

@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gossamer.algorithms.base import Algorithm
 from gossamer.options import convert, type_name
+
+if TYPE_CHECKING:
+    from gossamer.compress.registry import Compression
 
 _REGISTRY: dict[str, type[Algorithm]] = {}
 
@@ -72,3 +75,31 @@ def describe(name: str) -> list[tuple[str, str, Any]]:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         rows.append((f.name, type_name(hints[f.name]), default))
     return rows
+
+
+def with_compression(algorithm: Algorithm,
+                     compression: str | Mapping[str, Any] | Compression) -> Algorithm:
+    """``algorithm``, a gradient-level method, sending its gradients through ``compression``.
+
+    The methods that take a compressor have a ``compression`` option (``allreduce``,
+    ``gossipgrad``); any other is a ValueError naming the ``compressor`` argument and them.
+    A compression the algorithm already holds is replaced.
+
+    Example::
+
+        with_compression(AllReduce(bucket_mb=10), "dgc:ratio=0.001")
+        # AllReduce(bucket_mb=10, compression=DGCCompression(ratio=0.001, ...))
+    """
+    from gossamer.compress.registry import parse_compression
+
+    compression = parse_compression(compression)
+    if _takes_compression(type(algorithm)):
+        return dataclasses.replace(algorithm, compression=compression)  # type: ignore[type-var]
+    takers = [name for name in available() if _takes_compression(lookup(name))]
+    raise ValueError(f"compressor: algorithm {algorithm.name!r} does not take a compressor; "
+                     f"the methods that do: {', '.join(takers)}")
+
+
+def _takes_compression(cls: type) -> bool:
+    return dataclasses.is_dataclass(cls) and any(
+        f.name == "compression" and f.init for f in dataclasses.fields(cls))

@@ -48,7 +48,6 @@ from gossamer.compress.registry import (
     available_compressors,
     lookup_compression,
     parse_compression,
-    with_compression,
 )
 from gossamer.compress.sparse import RandomK, TopK
 
@@ -81,5 +80,4 @@ __all__ = [
     "resolve_aggregation",
     "take_over_momentum",
     "warmup_density",
-    "with_compression",
 ]

@@ -17,7 +17,7 @@ as ``--option`` does), or a mapping ``{"name": NAME, **options}`` (YAML). Exampl
     c.as_dict()                               # {'name': 'dgc', 'ratio': 0.001, ...}
     compressor, memory = c.build(world_size=8)
 
-    algorithm = with_compression(AllReduce(), c)  # AllReduce(compression=c)
+    algorithm = AllReduce(compression=c)  # gossamer.algorithms.with_compression does it by name
     # command line: gossamer train --algorithm allreduce --compressor dgc:ratio=0.001
 """
 
@@ -29,7 +29,7 @@ import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from gossamer.compress.base import Compressor, Memory
 from gossamer.compress.cast import BF16, FP16
@@ -39,9 +39,6 @@ from gossamer.compress.powersgd import PowerSGD
 from gossamer.compress.qsgd import QSGD
 from gossamer.compress.sparse import RandomK, TopK
 from gossamer.options import convert, option
-
-if TYPE_CHECKING:
-    from gossamer.algorithms.base import Algorithm
 
 __all__ = [
     "Compression",
@@ -56,7 +53,6 @@ __all__ = [
     "option_of",
     "parse_compression",
     "register_compression",
-    "with_compression",
 ]
 
 _REGISTRY: dict[str, type[Compression]] = {}
@@ -191,34 +187,6 @@ def parse_compression(spec: str | Mapping[str, Any] | Compression) -> Compressio
         return cls(**kwargs)
     except ValueError as e:
         raise ValueError(f"compressor {name!r}: {e}") from None
-
-
-def with_compression(algorithm: Algorithm,
-                     compression: str | Mapping[str, Any] | Compression) -> Algorithm:
-    """``algorithm``, a gradient-level method, sending its gradients through ``compression``.
-
-    The methods that take a compressor have a ``compression`` option (``allreduce``,
-    ``gossipgrad``); any other is a ValueError naming the ``compressor`` argument and them.
-    A compression the algorithm already holds is replaced.
-
-    Example::
-
-        with_compression(AllReduce(bucket_mb=10), "dgc:ratio=0.001")
-        # AllReduce(bucket_mb=10, compression=DGCCompression(ratio=0.001, ...))
-    """
-    from gossamer.algorithms.registry import available, lookup
-
-    compression = parse_compression(compression)
-    if _takes_compression(type(algorithm)):
-        return dataclasses.replace(algorithm, compression=compression)  # type: ignore[type-var]
-    takers = [name for name in available() if _takes_compression(lookup(name))]
-    raise ValueError(f"compressor: algorithm {algorithm.name!r} does not take a compressor; "
-                     f"the methods that do: {', '.join(takers)}")
-
-
-def _takes_compression(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) and any(
-        f.name == "compression" and f.init for f in dataclasses.fields(cls))
 
 
 def _error_feedback(on: bool) -> Memory | None:

@@ -16,7 +16,7 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
-from gossamer.algorithms import Algorithm, AllReduce, create
+from gossamer.algorithms import Algorithm, AllReduce, create, with_compression
 from gossamer.algorithms.nonfinite import POLICIES as NONFINITE_POLICIES
 from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
@@ -256,9 +256,7 @@ def resolve_algorithm(algorithm: Algorithm | str | Mapping[str, Any],
         raise ValueError(f"algorithm must be an Algorithm or a registered name, got "
                          f"{algorithm!r}")
     if compressor is not None:
-        from gossamer.compress.registry import parse_compression, with_compression
-
-        algorithm = with_compression(algorithm, parse_compression(compressor))
+        algorithm = with_compression(algorithm, compressor)
     return algorithm
 
 
