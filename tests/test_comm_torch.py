@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -167,7 +168,11 @@ def _dies_before_third_all_reduce() -> dict | None:
             comm.all_reduce(t)
         except CommError as exc:
             elapsed = time.monotonic() - start
-            time.sleep(3)  # stay alive while the other survivor reads our heartbeat
+            # stay alive (rank 0 hosts the store, and each survivor's heartbeat is read) until
+            # the other survivor has diagnosed too: each says so in the store once it has
+            other = 2 - comm.rank
+            comm._store.set(f"test/diagnosed/{comm.rank}", "1")
+            comm._store.wait([f"test/diagnosed/{other}"], timedelta(seconds=30))
             return {"step": i, "message": str(exc), "peers": exc.peers, "elapsed": elapsed}
     return None
 
@@ -222,14 +227,15 @@ def _polls_a_receive() -> list[bool]:
         polls = []
         if comm.rank == 0:
             handle = comm.exchange({}, [1], recv_like=torch.zeros(1000))
-            polls.append(handle.ready())  # nothing sent yet
+            polls.append(handle.ready())  # nothing sent yet: rank 1 waits for the go
+            comm._store.set("test/go", "1")
             deadline = time.monotonic() + 20
             while not handle.ready() and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(0.01)  # polling: ready() never blocks
             polls.append(handle.ready())
             polls.append(bool(torch.equal(handle.wait()[1], torch.arange(1000.0))))
         else:
-            time.sleep(0.5)
+            comm._store.wait(["test/go"], timedelta(seconds=20))
             comm.exchange({0: torch.arange(1000.0)}, []).wait()
         comm.barrier()
         return polls
