@@ -3,7 +3,6 @@ unknown name, one tiny benchmark end to end, and the timed-step loop."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -12,17 +11,15 @@ import torch
 from gossamer.bench import cli as bench_cli
 from gossamer.bench import markdown_table, mlp, sgd_step, timed_steps
 from gossamer.bench.harness import available, find_root
+from gossamer.cli import build_parser, main
 
 EXPECTED = {"accuracy", "allreduce_vs_ddp", "compress", "gossip", "gossipgrad", "local_sgd",
             "network", "sim_overhead", "wagma"}
 
 
 def _bench(argv: list[str]) -> int:
-    """``gossamer bench ARGV``, parsed the way the ``gossamer`` command registers it."""
-    parser = argparse.ArgumentParser(prog="gossamer")
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench_cli.add_arguments(sub.add_parser("bench"))
-    return bench_cli.run(parser.parse_args(["bench", *argv]))
+    """``gossamer bench ARGV``, through the ``gossamer`` command's own parser."""
+    return bench_cli.run(build_parser().parse_args(["bench", *argv]))
 
 
 def test_every_benchmark_is_found_and_the_helpers_are_not():
@@ -40,7 +37,9 @@ def test_listing_prints_one_line_per_benchmark(argv, capsys):
     assert "straggler" in wagma  # the module docstring's first line
 
 
-def test_an_unknown_name_lists_the_known_ones():
+def test_an_unknown_name_lists_the_known_ones(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "gossamer bench: error: no benchmark named 'nope'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no benchmark named 'nope'") as error:
         _bench(["nope"])
     for name in EXPECTED:

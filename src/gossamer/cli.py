@@ -1,5 +1,5 @@
 """The ``gossamer`` command: ``train``, ``compare``, ``plot``, ``topology``, ``launch``,
-``algorithms``.
+``bench``, ``algorithms``.
 
 Examples::
 
@@ -10,6 +10,8 @@ Examples::
     gossamer plot runs/ar
     gossamer topology exponential --workers 8
     gossamer launch --nproc 4 --emulate bandwidth=1gbit,delay=1ms -- --run-dir runs/emu
+    gossamer bench                                   # list the benchmarks
+    gossamer bench sim_overhead --workers 16
     gossamer algorithms
 """
 
@@ -159,11 +161,22 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     launch_cli.add_arguments(p)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from gossamer.bench import cli as bench_cli
+
+    p = sub.add_parser(
+        "bench", help="run a benchmark of the checkout's benchmarks/ (no name: list them)",
+        description="Run one benchmark through the shared harness (stand-in models, timed "
+        "steps, results written as JSON with the machine and the command). Without a name, "
+        "list the benchmarks. Arguments after NAME go to the benchmark.",
+    )
+    bench_cli.add_arguments(p)
+
+
 def _algorithms(args: argparse.Namespace) -> int:
     from gossamer.algorithms import available, lookup
-    from gossamer.options import describe_options
-
     from gossamer.compress.registry import available_compressors, lookup_compression
+    from gossamer.options import describe_options
 
     def show(name: str, cls: type) -> None:
         doc = (cls.__doc__ or "").strip().splitlines()[0]
@@ -191,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_topology(sub)
     _add_launch(sub)
+    _add_bench(sub)
     sub.add_parser("algorithms", help="list the registered algorithms and their options")
     return parser
 
@@ -207,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gossamer.launch import cli as launch_cli
 
             return launch_cli.run(args)
+        if args.command == "bench":
+            from gossamer.bench import cli as bench_cli
+
+            return bench_cli.run(args)
         if args.command == "plot":
             from gossamer.train.report import run_plot
 
