@@ -127,6 +127,8 @@ def load_metrics(run_dir: str | Path) -> RunMetrics:
         # other kinds come from newer writers: ignored
 
     algorithm = config.get("algorithm")
+    if isinstance(algorithm, dict):  # {name, options}, as config.yaml writes it
+        algorithm = algorithm.get("name")
     if summary is not None and isinstance(summary.get("algorithm"), str):
         algorithm = summary["algorithm"]
     name = algorithm if isinstance(algorithm, str) and algorithm else run_dir.resolve().name
