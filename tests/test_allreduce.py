@@ -105,6 +105,7 @@ def test_allreduce_equals_single_process_large_batch():
     assert torch.allclose(distributed, single, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_parity_simulator_gloo_ddp(sim_params):
     from gossamer.testing import spawn_gloo

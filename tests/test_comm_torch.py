@@ -109,6 +109,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_each_rank_holds_its_rank(n: int) -> None:
@@ -177,6 +178,7 @@ def _dies_before_third_all_reduce() -> dict | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_dead_worker_is_named() -> None:
     results = spawn_gloo(_dies_before_third_all_reduce, 3, timeout=60, allow_exit={1})
@@ -243,6 +245,7 @@ def _polls_a_receive() -> list[bool]:
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_ready_reports_an_arrived_message_without_waiting() -> None:
     """gloo itself says a receive is complete only once waited for; ready() must not."""
@@ -262,6 +265,7 @@ def _never_returns() -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_spawn_reports_failures_and_timeouts() -> None:
     with pytest.raises(RuntimeError, match="(?s)rank 1 raised.*ValueError: boom on purpose"):

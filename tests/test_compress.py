@@ -673,6 +673,7 @@ def test_variable_size_all_gather_in_simulator():
     _check_gather(SimWorld(3).run(gather_worker))
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_variable_size_all_gather_on_gloo():
     from gossamer.testing import spawn_gloo
@@ -706,6 +707,7 @@ def hierarchy_worker(comm=None):
             comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_hierarchy_on_gloo_matches_simulator():
     from gossamer.testing import spawn_gloo

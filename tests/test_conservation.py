@@ -130,6 +130,12 @@ CASES = [
 ]
 
 
+# the slow tier holds the cases that take over 10 s each (WAGMA with stragglers it waits for)
+PARAMS = [pytest.param(case, id=case.id,
+                       marks=[pytest.mark.slow] if case.kind == STALE else [])
+          for case in CASES]
+
+
 def test_every_registered_algorithm_has_a_conservation_case():
     covered = {case.algorithm.name for case in CASES}
     missing = sorted(set(available()) - covered)
@@ -338,7 +344,7 @@ def _given_runs(case: Case):
                  speeds_=speeds(jitter=case.kind != STALE))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", PARAMS)
 def test_mean_moves_by_exactly_lr_times_steps(case):
     """The brief's run: 8 workers, 40 steps of the all-ones gradient at lr 0.1: 4.0 exactly,
     with equal speeds and with rank 3 four times slower."""
@@ -348,7 +354,7 @@ def test_mean_moves_by_exactly_lr_times_steps(case):
         check(case, outcomes, STEPS, LR, "ones", late=speed.late)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", PARAMS)
 def test_conservation_property(case):
     """Hypothesis over workers, steps, lr, gradients, stragglers, jitter and latency."""
 
@@ -367,6 +373,7 @@ def test_conservation_property(case):
 # ---------------------------------------------------------------------------- gloo
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_conservation_on_gloo():
     """4 gloo processes run every case at equal speeds, then every averaging method again

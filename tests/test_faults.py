@@ -366,6 +366,7 @@ def _nan_cases_on_gloo() -> list[dict]:
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_nan_on_rank_1_never_reaches_another_rank_on_gloo() -> None:
     per_rank = spawn_gloo(_nan_cases_on_gloo, 4, timeout=120)
@@ -394,6 +395,7 @@ def _train_processes(tmp_path: Path, n: int, *args: str) -> list[subprocess.Pope
     return procs
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("kind", ["crash", "hang"])
 def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None:

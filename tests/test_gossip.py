@@ -104,6 +104,7 @@ def gloo_train(name: str):
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", ["sgp", "dpsgd"])
 def test_simulator_and_gloo_give_the_same_parameters(name):
@@ -159,6 +160,7 @@ def test_sgp_state_holds_weight_and_messages_in_flight():
     assert all(isinstance(t, torch.Tensor) for d in state["in_flight"] for t in d.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgp", "osgp", "dpsgd", "adpsgd"])
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch, name):
     from resume_helpers import straight_and_resumed
@@ -284,6 +286,7 @@ def test_bad_input_from_the_command_line(capsys):
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgp", "osgp", "dpsgd", "adpsgd"])
 def test_train_reaches_85_percent_on_digits(name):
     result = run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
@@ -291,6 +294,7 @@ def test_train_reaches_85_percent_on_digits(name):
     assert result["bytes_sent"] > 0
 
 
+@pytest.mark.slow
 def test_compare_all_gossip_methods(tmp_path):
     from gossamer.cli import main
 
@@ -313,6 +317,7 @@ def gloo_adpsgd(steps: int):
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_adpsgd_runs_asynchronously_on_gloo():
     from gossamer.testing import spawn_gloo

@@ -461,6 +461,7 @@ def gloo_results():
     return spawn_gloo(gloo_worker, WORLD, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_simulator_and_gloo_give_the_same_parameters(sim_params, gloo_results):
     for rank in range(WORLD):

@@ -255,6 +255,7 @@ def gloo_results() -> list[dict[str, object]]:
     return spawn_gloo(gloo_worker, WORLD, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", list(GLOO_METHODS))
 def test_gloo_workers_skip_the_same_step(gloo_results, name: str) -> None:

@@ -130,6 +130,7 @@ def gloo_results() -> list[dict[str, object]]:
     return spawn_gloo(ddp_worker, WORLD, args=(list(CASES),), timeout=240)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", list(CASES))
 def test_hook_matches_gossamer(gloo_results, name):

@@ -206,6 +206,7 @@ def _root_links() -> list[str]:
             if line.split(":")[1].strip().startswith("gsm")]
 
 
+@pytest.mark.slow
 @emulated
 def test_one_slow_link_is_shaped_both_ways_and_counters_count_frames():
     fast, slow = LinkSpec(), LinkSpec(bandwidth="20mbit")
@@ -267,6 +268,7 @@ def _hold_network() -> tuple[subprocess.Popen, str]:
     return process, tag
 
 
+@pytest.mark.slow
 @emulated
 def test_signals_tear_down_and_cleanup_removes_what_sigkill_left():
     # SIGINT and SIGTERM unwind through the teardown
@@ -332,6 +334,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_local_workers_stop_when_one_dies_and_the_exit_code_is_forwarded(tmp_path):
     launcher = _start_launcher(tmp_path)
@@ -364,6 +367,7 @@ def _env(pid: int) -> dict[str, str]:
     return dict(item.decode().partition("=")[::2] for item in data.split(b"\0") if item)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @emulated
 def test_emulated_run_moves_the_bytes_the_library_counts(tmp_path, record_property):
@@ -399,6 +403,7 @@ def test_emulated_run_moves_the_bytes_the_library_counts(tmp_path, record_proper
         assert ratio < raw < 1.15, (rank, raw)  # headers on top
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 @emulated
 @pytest.mark.parametrize("kill", ["worker", "launcher"])

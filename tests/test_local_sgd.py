@@ -199,6 +199,7 @@ def gloo_against_torch(period: int, steps: int):
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_constant_period_matches_torch_model_averaging_on_gloo():
     from gossamer.testing import spawn_gloo
@@ -220,6 +221,7 @@ def test_bad_input(kwargs, name):
         QSR(**kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["localsgd", "qsr"])
 def test_train_on_digits(name):
     result = run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
@@ -229,6 +231,7 @@ def test_train_on_digits(name):
     assert result["bytes_sent"] < reference["bytes_sent"] / 1.5
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_h_sequence(tmp_path, monkeypatch):
     from resume_helpers import straight_and_resumed
 
@@ -334,6 +337,7 @@ def test_reestimation_runs_in_training(tmp_path):
     assert run(eval_every=2)["eval_loss"] == reestimated["eval_loss"]
 
 
+@pytest.mark.slow
 def test_reestimation_keeps_a_resumed_run_equal(tmp_path, monkeypatch):
     """The re-estimation at an evaluation (step 3) and the checkpoint after it: a run stopped
     at step 4 and resumed ends as the one that never stopped, statistics and all."""

@@ -95,6 +95,7 @@ def _can_emulate() -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traffic():
     reason = _can_emulate()

@@ -189,6 +189,7 @@ def compare(case: Case, sim: list[Outcome], gloo: list[Outcome]) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_simulator_and_gloo_agree_for_every_algorithm():
     from gossamer.testing import collect, run_in_turn, spawn_gloo

@@ -124,6 +124,7 @@ def _alarm(signum, frame):  # noqa: ARG001
 
 @settings(max_examples=150, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(settings_=configs())
 def test_every_config_trains_or_is_refused(settings_):
     previous = signal.signal(signal.SIGALRM, _alarm)

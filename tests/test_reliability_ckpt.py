@@ -111,6 +111,7 @@ def test_leftovers_of_crashed_saves_are_removed_by_the_next_save(tmp_path):
         "meta.json", "rank-00000.pt", "rank-00001.pt", "shared.pt"]
 
 
+@pytest.mark.slow
 def test_resume_falls_back_past_a_damaged_checkpoint_and_ends_equal(tmp_path, monkeypatch):
     cfg = dict(sim=2, steps=40, eval_every=0, checkpoint_every=10, keep_checkpoints=3,
                quiet=True)
@@ -188,6 +189,7 @@ def _saver(run_dir: str, ready, duration) -> None:
         step += 1
 
 
+@pytest.mark.slow
 def test_kill_9_during_saves_always_leaves_a_loadable_verified_latest(tmp_path):
     SimWorld(2).run(_save, tmp_path, 0, 2, _STATE)
     ctx = mp.get_context("forkserver")  # torch is imported once, not in each of 20 children
@@ -316,6 +318,7 @@ def _reference_and_faulty(tmp_path: Path, reference: list[str], faulty: list[str
     return out, killed_at, ref_dir, run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_torchrun_restart_after_kill_9_resumes_and_ends_equal(tmp_path):
     """allreduce, 2 workers under torchrun --max-restarts 1; rank 1 killed with SIGKILL."""
@@ -333,6 +336,7 @@ def test_torchrun_restart_after_kill_9_resumes_and_ends_equal(tmp_path):
     assert [r["kind"] for r in records].count("summary") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_gossamer_launch_restart_after_kill_9_resumes_local_sgd_equal(tmp_path):
     """local SGD, 2 workers under gossamer launch --max-restarts 1; rank 0 (which hosts the
@@ -427,6 +431,7 @@ def _gloo_mismatch(period: int) -> str | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_gloo_workers_with_other_options_all_stop_naming_the_rank():
     from gossamer.testing import spawn_gloo

@@ -116,6 +116,7 @@ def test_all_interfaces_only_when_asked_and_with_a_warning(
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_train_bind_all_flag_warns() -> None:
     import os

@@ -134,6 +134,7 @@ def gloo_train(run_dir: str, resume: bool, crash_at: int | None):
     return run_training(cfg).get("eval_loss")
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_resume_on_gloo_equals_uninterrupted(tmp_path):
     from gossamer.testing import spawn_gloo
@@ -213,6 +214,7 @@ def test_help_documents_every_flag_with_default(capsys):
     assert "(default: 32)" in text
 
 
+@pytest.mark.slow
 def test_compare_writes_report_and_plots(tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", "--algorithms", "allreduce,allreduce:bucket_mb=0.001",
@@ -238,6 +240,7 @@ def test_compare_rejects_unknown_algorithm(capsys):
     assert "known algorithms" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_resume_with_batchnorm_keeps_each_workers_statistics(tmp_path, monkeypatch):
     """ResNet-20 on a tiny fake CIFAR-10: BatchNorm statistics differ per worker even under
     AllReduce; a resumed run must restore each worker's own."""

@@ -193,6 +193,7 @@ def test_train_on_digits():
     assert result["eval_accuracy"] >= 0.85
 
 
+@pytest.mark.slow
 def test_evaluations_and_checkpoints_pause_and_resume(tmp_path, monkeypatch):
     """Evaluation and checkpoints pause the rounds; resume continues the run."""
     from resume_helpers import straight_and_resumed
@@ -223,6 +224,7 @@ def gloo_wagma(steps: int):
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_wagma_does_not_wait_for_the_straggler_on_gloo():
     from gossamer.testing import spawn_gloo
