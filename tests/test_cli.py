@@ -63,3 +63,34 @@ def test_topology_command(capsys):
 def test_algorithms_command(capsys):
     assert main(["algorithms"]) == 0
     assert "allreduce" in capsys.readouterr().out
+
+
+def test_algorithms_lists_each_method_and_compressor_with_its_options_help(capsys):
+    assert main(["algorithms"]) == 0
+    out = capsys.readouterr().out
+    qsr = next(line for line in out.splitlines() if line.startswith("qsr:"))
+    assert "lasts ``H = max(period, floor((alpha / lr) ** power))``" in qsr  # the paragraph
+    assert "ratio (float, default 0.01): fraction of each tensor sent" in out  # a compressor's
+    assert "compressors (--compressor" in out
+
+
+def test_version(capsys):
+    import gossamer
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gossamer {gossamer.__version__}"
+
+
+def test_help_shows_what_each_command_takes(capsys):
+    for argv in (["train", "--help"], ["compare", "--help"], ["launch", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = capsys.readouterr().out
+    train, compare, launch = out.split("usage: gossamer ")[1:]
+    assert "(default: 4 without a launcher, 0 under one)" in " ".join(train.split())
+    for flag in ("--option", "--compressor", "--run-dir", "--resume", "--sim "):
+        assert flag in train and flag not in compare  # compare names them per entry
+    assert "required, except with --cleanup" in " ".join(launch.split())
+

@@ -4,22 +4,70 @@ One code base for gossip averaging (SGP, D-PSGD, AD-PSGD), local SGD, group aver
 gradient compression and the AllReduce baseline, running on real ``torch.distributed`` or on
 an in-process deterministic simulator of hundreds of workers.
 
-Example::
+Every method, compressor and communicator is importable from here. Example::
 
     import gossamer
-    optimizer = gossamer.distribute(model, optimizer, "allreduce")
+    optimizer = gossamer.distribute(model, optimizer, gossamer.SGP(tau=1), total_steps=1000)
+    optimizer = gossamer.distribute(model, optimizer,
+                                    gossamer.AllReduce(compression="topk:ratio=0.01"))
 """
 
-from gossamer.algorithms import Algorithm, AllReduce, Runtime
+from gossamer.algorithms import (
+    ADPSGD,
+    DGC,
+    DPSGD,
+    OSGP,
+    QSR,
+    SGP,
+    WAGMA,
+    Algorithm,
+    AllReduce,
+    FP16AllReduce,
+    GossipGraD,
+    LocalSGD,
+    PowerSGDAllReduce,
+    QSGDAllReduce,
+    RandomKAllReduce,
+    Runtime,
+    TopKAllReduce,
+    available,
+    push_sum_average,
+    with_compression,
+)
 from gossamer.api import DistributedOptimizer, distribute
+from gossamer.comm import ComputeModel, NetworkModel, SimWorld, TorchCommunicator
+from gossamer.compress import available_compressors, parse_compression
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ADPSGD",
+    "DGC",
+    "DPSGD",
+    "OSGP",
+    "QSR",
+    "SGP",
+    "WAGMA",
     "Algorithm",
     "AllReduce",
+    "ComputeModel",
     "DistributedOptimizer",
+    "FP16AllReduce",
+    "GossipGraD",
+    "LocalSGD",
+    "NetworkModel",
+    "PowerSGDAllReduce",
+    "QSGDAllReduce",
+    "RandomKAllReduce",
     "Runtime",
+    "SimWorld",
+    "TopKAllReduce",
+    "TorchCommunicator",
     "__version__",
+    "available",
+    "available_compressors",
     "distribute",
+    "parse_compression",
+    "push_sum_average",
+    "with_compression",
 ]

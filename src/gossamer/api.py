@@ -40,15 +40,20 @@ from gossamer.algorithms.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 
 
-class DistributedOptimizer:
-    """A ``torch.optim`` optimizer with a distributed algorithm around its ``step()``.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` with a distributed algorithm around the wrapped one's step.
 
     ``step()`` marks the step's compute for the simulator, runs the algorithm's after-backward
     hook (e.g. gradient averaging), the wrapped optimizer's step (skipped for a non-finite
     gradient under ``nonfinite="skip"``), the after-step hook (e.g. gossip of parameters) and
-    the before-forward hook of the next step. Everything else
-    (``param_groups``, ``zero_grad``, ...) is the wrapped optimizer's: attach learning-rate
-    schedulers to :attr:`optimizer`.
+    the before-forward hook of the next step. ``step(closure)`` evaluates the closure first
+    (forward and backward, as Lightning passes it) and returns its loss.
+
+    It is an optimizer in its own right, so that learning-rate schedulers, GradScaler,
+    Lightning and Accelerate take it: :attr:`param_groups` and :attr:`state` are the wrapped
+    optimizer's own (the same objects), ``zero_grad`` and ``add_param_group`` act on it, and
+    :meth:`state_dict` is the wrapped optimizer's with the algorithm's state under
+    ``"algorithm"``, which a plain optimizer of the same type loads as its own.
 
     With a ``torch.amp.GradScaler`` (:attr:`scaler`, given to :func:`distribute`),
     ``scaler.step(optimizer)`` calls ``step()`` on every worker, also on one whose scaled
@@ -66,33 +71,61 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime,
                  scaler: torch.amp.GradScaler | None = None) -> None:
+        # Optimizer's own set-up (its hooks), over no parameters; from then on param_groups,
+        # state and defaults are the wrapped optimizer's (properties below), so that a change
+        # made through either is seen by both, also after its load_state_dict() replaced them
+        super().__init__([{"params": []}], dict(optimizer.defaults))
         self.optimizer = optimizer
         self.runtime = runtime
         self.scaler = scaler  # the GradScaler that steps this optimizer, if any
+
+    def _wrapped(self, name: str, default: Any) -> Any:
+        inner = self.__dict__.get("optimizer")
+        return getattr(inner, name) if inner is not None else self.__dict__.get(name, default)
+
+    def _set_wrapped(self, name: str, value: Any) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is not None:
+            setattr(inner, name, value)
+        else:  # Optimizer.__init__, before the wrapped optimizer is set
+            self.__dict__[name] = value
+
+    param_groups = property(lambda self: self._wrapped("param_groups", []),
+                            lambda self, v: self._set_wrapped("param_groups", v),
+                            doc="The wrapped optimizer's parameter groups (the same list).")
+    state = property(lambda self: self._wrapped("state", {}),
+                     lambda self, v: self._set_wrapped("state", v),
+                     doc="The wrapped optimizer's per-parameter state (the same mapping).")
+    defaults = property(lambda self: self._wrapped("defaults", {}),
+                        lambda self, v: self._set_wrapped("defaults", v),
+                        doc="The wrapped optimizer's defaults.")
 
     @property
     def comm(self) -> Communicator:
         return self.runtime.comm
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # during Optimizer.__init__ (the empty group), before the wrapped optimizer is set
+        if "optimizer" not in self.__dict__:
+            return
+        raise ValueError("add_param_group: the algorithm was bound to the model's parameters "
+                         "when distribute() was called; build the optimizer with every group "
+                         "before distribute()")
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One distributed optimizer step (closures are not supported: one backward per step).
+        """One distributed optimizer step; ``closure`` (forward and backward) is evaluated
+        first, with gradients enabled, and its loss returned.
 
         Called by ``scaler.step(optimizer)``, it unscales the gradients first and skips the
         whole step on every worker if any worker's overflowed (see the class docs).
         """
+        loss = None
         if closure is not None:
-            raise ValueError("closure is not supported: call backward() before step()")
+            with torch.enable_grad():
+                loss = closure()
         runtime = self.runtime
         overflow = self._unscale_gradients()  # None unless a GradScaler called
         runtime.comm.compute_step()
@@ -110,12 +143,13 @@ class DistributedOptimizer:
             runtime.skipped_steps += 1
             if overflow is not None:  # the scaler skips the step as a whole, every worker alike
                 self._report_overflow()
-                return None
+                return loss
         else:
             self.optimizer.step()
         runtime.after_step()
         runtime.step += 1
         runtime.before_forward()
+        return loss
 
     def _gradients(self) -> list[torch.Tensor]:
         return [p.grad for group in self.param_groups for p in group["params"]
@@ -163,12 +197,19 @@ class DistributedOptimizer:
         self.runtime.finish()
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state and the algorithm's state, for checkpoints."""
-        return {"optimizer": self.optimizer.state_dict(), "algorithm": self.runtime.state_dict()}
+        """The wrapped optimizer's state dict (``state``, ``param_groups``: a plain optimizer of
+        its type loads it) with the algorithm's state under ``"algorithm"``."""
+        return {**self.optimizer.state_dict(), "algorithm": self.runtime.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.runtime.load_state_dict(dict(state["algorithm"]))
+        """Load what :meth:`state_dict` gave, or a plain optimizer's state dict (the
+        algorithm's state is then kept as it is), or the ``{"optimizer", "algorithm"}`` form of
+        earlier versions of gossamer."""
+        state = dict(state)
+        algorithm = state.pop("algorithm", None)
+        self.optimizer.load_state_dict(state.get("optimizer", state))
+        if algorithm is not None:
+            self.runtime.load_state_dict(dict(algorithm))
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.runtime).__name__}, rank {self.comm.rank} "

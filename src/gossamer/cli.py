@@ -26,11 +26,9 @@ from collections.abc import Sequence
 from gossamer.comm.base import CommError
 from gossamer.comm.sim import SimulationError
 
-DEFAULT_SIM_WORKERS = 4
-
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from gossamer.train.config import add_config_arguments
+    from gossamer.train.config import DEFAULT_SIM_WORKERS, add_config_arguments
 
     p = sub.add_parser(
         "train",
@@ -67,7 +65,7 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from gossamer.train.config import config_from_args
+    from gossamer.train.config import DEFAULT_SIM_WORKERS, config_from_args
     from gossamer.train.run import launched_by_launcher, run_training
 
     config = config_from_args(args)
@@ -107,7 +105,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default: 8)")
     p.add_argument("--out", default="gossamer-compare",
                    help="output directory (default: gossamer-compare)")
-    add_config_arguments(p)
+    # each entry names its method; the runs go under --out; --workers is the simulator's size
+    add_config_arguments(p, hidden=("algorithm", "run_dir", "resume", "sim"))
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -117,12 +116,13 @@ def _compare(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     for flag, given in (("--algorithm", args.algorithm), ("--option", args.option),
-                        ("--compressor", args.compressor),
-                        ("--run-dir", args.run_dir), ("--resume", args.resume)):
+                        ("--compressor", args.compressor), ("--run-dir", args.run_dir),
+                        ("--resume", args.resume), ("--sim", args.sim)):
         if given:
             raise ValueError(f"compare does not take {flag}: name algorithms and their options "
-                             "as --algorithms NAME:KEY=VALUE,...; runs go under --out")
-    base = config_from_args(args, sim=args.sim or args.workers)
+                             "as --algorithms NAME:KEY=VALUE,...; runs go under --out, and "
+                             "--workers sets the simulated workers")
+    base = config_from_args(args, sim=args.workers)
     report = run_compare(args.algorithms or default_algorithms(), base, args.out)
     print(f"report: {report}")
     return 0
@@ -173,14 +173,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench_cli.add_arguments(p)
 
 
+def summary(cls: type) -> str:
+    """The first paragraph of ``cls``'s docstring, on one line."""
+    paragraph = (cls.__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
+
+
 def _algorithms(args: argparse.Namespace) -> int:
     from gossamer.algorithms import available, lookup
     from gossamer.compress.registry import available_compressors, lookup_compression
     from gossamer.options import describe_options
 
     def show(name: str, cls: type) -> None:
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        print(f"{name}: {doc}")
+        print(f"{name}: {summary(cls)}")
         for option, type_name, default, text in describe_options(cls):
             print(f"    {option} ({type_name}, default {default!r})"
                   + (f": {text}" if text else ""))
@@ -194,10 +199,14 @@ def _algorithms(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import gossamer
+
     parser = argparse.ArgumentParser(
         prog="gossamer",
         description="Communication-efficient data-parallel training for PyTorch.",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"gossamer {gossamer.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(sub)
     _add_compare(sub)

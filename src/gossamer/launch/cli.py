@@ -30,7 +30,8 @@ __all__ = ["add_arguments", "links_from_args", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``launch`` subcommand's arguments to ``parser``."""
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="number of workers (processes) to start")
+                        help="number of workers (processes) to start; required, except with "
+                        "--cleanup")
     parser.add_argument(
         "--emulate", nargs="?", const="", default=None, metavar="SPEC",
         help="run each worker in its own network namespace, linked to a bridge; SPEC shapes "

@@ -31,6 +31,8 @@ PARTITIONS = ("iid", "dirichlet")
 
 # The settings that only the simulator reads, and the one only real processes read: given in
 # the other mode they would have no effect, which is an error (see TrainConfig.check_mode).
+#: The workers ``gossamer train`` simulates when neither --sim nor a launcher says otherwise.
+DEFAULT_SIM_WORKERS = 4
 SIM_ONLY = ("latency", "bandwidth", "compute_time", "stragglers", "jitter", "links")
 REAL_ONLY = ("bind_all",)
 
@@ -351,18 +353,19 @@ _REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggle
              "links": ("--link", "SRC:DST:RATE[:LATENCY]")}
 #: The flags of ``gossamer train --help``, by concern.
 GROUPS = {
-    "what to train": ("algorithm", "dataset", "data_path", "model", "block_size"),
+    "algorithm": ("algorithm",),
+    "data": ("dataset", "data_path", "block_size", "partition", "alpha", "seed"),
+    "model": ("model",),
     "optimisation": ("steps", "batch_size", "accumulation", "optimizer", "lr", "momentum",
                      "nesterov", "weight_decay", "schedule", "warmup_steps", "milestones",
                      "gamma", "min_lr"),
-    "data split across workers": ("partition", "alpha", "seed"),
-    "evaluation and records": ("eval_every", "eval_workers", "log_every", "run_dir",
-                               "checkpoint_every", "keep_checkpoints", "resume", "tensorboard",
-                               "quiet"),
-    "simulator (--sim N)": ("sim", "latency", "bandwidth", "links", "compute_time",
-                            "stragglers", "jitter"),
+    "evaluation and run directory": ("eval_every", "eval_workers", "log_every", "run_dir",
+                                     "checkpoint_every", "keep_checkpoints", "resume",
+                                     "tensorboard", "quiet"),
+    "simulator": ("sim", "latency", "bandwidth", "links", "compute_time", "stragglers",
+                  "jitter"),
     "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all",),
-    "failures": ("timeout", "faults", "nonfinite"),
+    "reliability": ("timeout", "faults", "nonfinite"),
 }
 
 
@@ -420,8 +423,12 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field, grouped by concern, with the field's help and default."""
+def add_config_arguments(parser: argparse.ArgumentParser,
+                         hidden: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field, grouped by concern, with the field's help and default.
+    The flags of the fields in ``hidden`` are parsed but not shown in the help (``algorithm``
+    hides ``--option`` and ``--compressor`` with it): a command that does not take them says
+    so itself."""
     import inspect
 
     helps = option_help(TrainConfig)
@@ -433,19 +440,24 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for name in names:
             flag = "--" + name.replace("_", "-")
             default = _DEFAULTS[name]
-            shown = default.name if isinstance(default, Algorithm) else default
-            help_text = f"{helps[name]} (default: {shown!r})"
+            shown = repr(default.name if isinstance(default, Algorithm) else default)
+            if name == "sim":  # what the command does, not the dataclass
+                shown = f"{DEFAULT_SIM_WORKERS} without a launcher, 0 under one"
+            help_text = f"{helps[name]} (default: {shown})"
+            if name in hidden:
+                help_text = argparse.SUPPRESS
             tp = hints[name]
             if name == "algorithm":
                 group.add_argument(flag, default=None, metavar="NAME", help=help_text)
                 group.add_argument("--option", action="append", default=None,
                                    metavar="KEY=VALUE",
-                                   help="an option of the algorithm, repeatable (e.g. --option "
-                                   "bucket_mb=10); see `gossamer algorithms`")
+                                   help=help_text if name in hidden else "an option of the "
+                                   "algorithm, repeatable (e.g. --option bucket_mb=10); see "
+                                   "`gossamer algorithms`")
                 group.add_argument("--compressor", default=None, metavar="NAME[:KEY=VALUE...]",
-                                   help="send a gradient-level method's gradients through this "
-                                   "compressor (e.g. dgc:ratio=0.001); see `gossamer "
-                                   "algorithms`")
+                                   help=help_text if name in hidden else "send a "
+                                   "gradient-level method's gradients through this compressor "
+                                   "(e.g. dgc:ratio=0.001); see `gossamer algorithms`")
             elif tp is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)

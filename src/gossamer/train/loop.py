@@ -111,10 +111,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         model.load_state_dict(state["model"])
         for name, buffer in model.named_buffers():
             buffer.copy_(shard["buffers"][name])
-        optimizer.load_state_dict(state["optimizer"] if shared is None else {
-            "optimizer": shared["optimizer"]["optimizer"],
-            "algorithm": shard["algorithm"],
-        })
+        # each worker's own algorithm state, also where the optimizer's is shared
+        optimizer.load_state_dict({**state["optimizer"], "algorithm": shard["algorithm"]})
         sampler.load_state_dict(shard["sampler"])
         torch.set_rng_state(shard["rng"])
         offsets = dict(shard["offsets"])
@@ -205,15 +203,17 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
 
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
     sent, messages, clock = counters
+    # the algorithm's state is taken once: taking it may settle messages in flight (WAGMA)
+    optimizer_state = optimizer.state_dict()  # the algorithm's state under "algorithm"
     shard = {
         # BatchNorm statistics differ between workers even when parameters don't
         "buffers": dict(model.named_buffers()),
-        "algorithm": runtime.state_dict(),
+        "algorithm": optimizer_state["algorithm"],
         "sampler": _to_safe(sampler.state_dict()),
         "rng": torch.get_rng_state(),
         "offsets": {"bytes": sent, "messages": messages, "time": clock},
     }
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    state = {"model": model.state_dict(), "optimizer": optimizer_state}
     keep = config.keep_checkpoints
     if runtime.replicas_identical:
         ckpt.save_checkpoint(comm, config.run_dir, step, shard, shared=state, keep=keep)
