@@ -3,7 +3,8 @@
 The embedded default is scikit-learn's bundled digits (1,797 8x8 images, 10 classes), which
 needs no download, so ``gossamer train`` works on a fresh machine. The others read files the user
 gives: MNIST / Fashion-MNIST IDX files, CIFAR-10's python batches and a plain-text file for the
-character-level language model. Nothing is downloaded.
+character-level language model. Nothing is downloaded. A name ``pkg.module:factory`` is the
+user's own ``torch.utils.data.Dataset`` (:func:`load_user_dataset`).
 
 Splits across workers: IID (:func:`partition_iid`) and the usual non-IID Dirichlet label skew
 (:func:`partition_dirichlet`); :func:`describe_partition` summarises one for the run's record.
@@ -22,7 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.data
 
+from gossamer.train.factory import call_factory, import_factory, is_factory, parameters
 from gossamer.train.safe_pickle import safe_load
 
 
@@ -398,6 +401,132 @@ def unigram_loss(dataset: Dataset) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# The user's own torch.utils.data.Dataset
+
+#: Share of a single data set that a factory returns held out for evaluation.
+USER_TEST_FRACTION = 0.2
+
+
+def _is_label(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        inexact = value.is_floating_point() or value.is_complex()
+        return not inexact and value.dtype != torch.bool
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _materialise(data: Any, spec: str, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack every ``(x, y)`` item of one data set into tensors (x, y)."""
+    if isinstance(data, torch.utils.data.IterableDataset):
+        items = list(data)
+    else:
+        items = [data[i] for i in range(len(data))]
+    if not items:
+        raise ValueError(f"dataset {spec!r}: the {which} set is empty")
+    xs, ys = [], []
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ValueError(f"dataset {spec!r}: {which} item {i} is a {type(item).__name__}, "
+                             "not a pair (x, y)")
+        x, y = item
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"dataset {spec!r}: {which} item {i}'s x is a {type(x).__name__}, "
+                             "not a tensor")
+        if not _is_label(y):
+            raise ValueError(
+                f"dataset {spec!r}: {which} item {i}'s y is {y!r}, not an integer class label "
+                "(or a tensor of class indices)")
+        y = torch.as_tensor(y, dtype=torch.int64)
+        for name, value, first in (("x", x, xs), ("y", y, ys)):
+            if first and (value.shape != first[0].shape or value.dtype != first[0].dtype):
+                raise ValueError(
+                    f"dataset {spec!r}: {which} item {i}'s {name} is {value.dtype} of shape "
+                    f"{tuple(value.shape)}, item 0's {first[0].dtype} of shape "
+                    f"{tuple(first[0].shape)}: every item must be alike")
+        xs.append(x)
+        ys.append(y)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def _declared_classes(data: Any, spec: str) -> int | None:
+    """``num_classes`` or ``len(classes)`` of the data set, if it declares either."""
+    declared = getattr(data, "num_classes", None)
+    if declared is None and getattr(data, "classes", None) is not None:
+        declared = len(data.classes)
+    if declared is None:
+        return None
+    if not isinstance(declared, int | np.integer) or declared < 1:
+        raise ValueError(f"dataset {spec!r}: num_classes is {declared!r}, not an integer >= 1")
+    return int(declared)
+
+
+def load_user_dataset(
+    spec: str, seed: int = 0, *, path: str | Path | None = None, **options: Any
+) -> Dataset:
+    """The user's own data set: what ``factory()`` from ``spec`` returns, as tensors.
+
+    ``spec`` is ``pkg.module:factory``, imported with the current directory on ``sys.path``.
+    The factory returns a pair ``(train, test)`` of ``torch.utils.data.Dataset`` or a single
+    one, of which a seeded shuffle holds out :data:`USER_TEST_FRACTION` (20%) for evaluation,
+    the same for every run. Each item is ``(x, y)``: x a tensor (or numpy array), all of one
+    shape and dtype; y an integer class label, or an integer tensor of class indices (one per
+    position, for a sequence model). Every item is read once and stacked in memory.
+    ``num_classes`` is the data set's ``num_classes`` attribute, else ``len(classes)``, else the
+    largest label + 1. Errors are ``ValueError`` naming ``dataset``.
+
+    Args:
+        spec: ``MODULE:FACTORY``.
+        seed: the shuffle that splits a single data set.
+        path: passed to the factory as ``path=``; only if it has a ``path`` parameter.
+        **options: further keyword arguments for the factory.
+    """
+    factory = import_factory(spec, "dataset")
+    takes = parameters(factory)
+    if path is not None:
+        if "path" not in takes and "*" not in takes:
+            raise ValueError(f"dataset {spec!r} takes no data path (its factory has no `path` "
+                             f"argument), got {path}")
+        options = {**options, "path": str(path)}
+    result = call_factory(factory, spec, "dataset", options,
+                          hint="; a data set factory takes nothing, or path")
+    datasets = torch.utils.data.Dataset
+    if isinstance(result, datasets):
+        x, y = _materialise(result, spec, "data")
+        if len(y) < 2:
+            raise ValueError(f"dataset {spec!r} holds {len(y)} example: at least 2 are needed "
+                             "to hold some out for evaluation")
+        order = torch.from_numpy(np.random.default_rng(seed).permutation(len(y)))
+        n_test = max(1, round(len(y) * USER_TEST_FRACTION))
+        train, test = order[:-n_test], order[-n_test:]
+        x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
+        declared = _declared_classes(result, spec)
+    elif (isinstance(result, tuple | list) and len(result) == 2
+          and all(isinstance(part, datasets) for part in result)):
+        x_train, y_train = _materialise(result[0], spec, "train")
+        x_test, y_test = _materialise(result[1], spec, "test")
+        if x_train.shape[1:] != x_test.shape[1:] or y_train.shape[1:] != y_test.shape[1:]:
+            raise ValueError(
+                f"dataset {spec!r}: train items are x {tuple(x_train.shape[1:])}, y "
+                f"{tuple(y_train.shape[1:])}; test items x {tuple(x_test.shape[1:])}, y "
+                f"{tuple(y_test.shape[1:])}: they must be alike")
+        declared = _declared_classes(result[0], spec)
+    else:
+        raise ValueError(
+            f"dataset {spec!r}: the factory returned a {type(result).__name__}, not a "
+            "torch.utils.data.Dataset or a pair (train, test) of them")
+    lowest = int(min(y_train.min(), y_test.min()))
+    largest = int(max(y_train.max(), y_test.max()))
+    if lowest < 0:
+        raise ValueError(f"dataset {spec!r}: label {lowest} is negative")
+    num_classes = largest + 1 if declared is None else declared
+    if largest >= num_classes:
+        raise ValueError(f"dataset {spec!r}: label {largest} is out of range for its "
+                         f"num_classes={num_classes}")
+    return Dataset(spec, x_train, y_train, x_test, y_test, num_classes=num_classes)
+
+
+# ---------------------------------------------------------------------------------------------
 # By name
 
 # name -> (loader, whether it reads a path)
@@ -423,14 +552,17 @@ def load_dataset(
     """Load a data set by name; ValueError listing the known names otherwise.
 
     Args:
-        name: one of :data:`DATASETS`.
-        seed: for loaders with a random split (digits).
+        name: one of :data:`DATASETS`, or ``pkg.module:factory`` (:func:`load_user_dataset`).
+        seed: for loaders with a random split (digits, a single user data set).
         path: the file or directory to read; required for all but ``"digits"``.
         **options: the loader's keyword arguments, e.g. ``train_count=8000`` for ``"mnist"``,
             ``block_size=128`` for ``"text"``.
     """
+    if is_factory(name):
+        return load_user_dataset(name, seed, path=path, **options)
     if name not in _LOADERS:
-        raise ValueError(f"dataset {name!r} is unknown; known: {', '.join(DATASETS)}")
+        raise ValueError(f"dataset {name!r} is unknown; known: {', '.join(DATASETS)}, or "
+                         "MODULE:FACTORY for your own")
     loader, reads_path = _LOADERS[name]
     parameters = inspect.signature(loader).parameters
     accepted = set(parameters) - {"path", "root", "seed", "fashion"}

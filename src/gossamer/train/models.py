@@ -3,7 +3,8 @@
 ``build_model(name, input_shape, num_classes)`` picks one by name for the CLI and recipes:
 ``"mlp"`` (digits), ``"cnn"`` (MNIST / Fashion-MNIST), ``"resnet20"`` (CIFAR-10) and
 ``"transformer"`` (a character-level language model, whose loss is over every position; see
-:func:`is_sequence_model`).
+:func:`is_sequence_model`). A name ``pkg.module:factory`` is the user's own model: see
+:func:`build_user_model`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gossamer.train.factory import call_factory, import_factory, is_factory, parameters
 
 
 class MLP(nn.Module):
@@ -269,7 +272,8 @@ _DERIVED = {"in_features", "input_shape", "in_channels", "num_classes", "vocab_s
 
 def _check_name(name: str) -> None:
     if name not in _REGISTRY:
-        raise ValueError(f"model {name!r} is unknown; known: {', '.join(MODELS)}")
+        raise ValueError(f"model {name!r} is unknown; known: {', '.join(MODELS)}, or "
+                         "MODULE:FACTORY for your own")
 
 
 def is_sequence_model(name: str) -> bool:
@@ -278,18 +282,52 @@ def is_sequence_model(name: str) -> bool:
     return _REGISTRY[name][2]
 
 
+def build_user_model(
+    spec: str, input_shape: Sequence[int], num_classes: int, **options
+) -> nn.Module:
+    """The user's own model: ``factory(input_shape=..., num_classes=...)`` from ``spec``.
+
+    ``spec`` is ``pkg.module:factory``; the module is imported with the current directory on
+    ``sys.path`` (as ``python -m`` does), so ``mymodels:make`` finds ``./mymodels.py``. The
+    factory (a function or an ``nn.Module`` class) gets ``input_shape`` (one example's shape, a
+    tuple) and ``num_classes`` if it has parameters of those names, else no arguments; it must
+    return an ``nn.Module``. Every worker calls it after seeding torch alike, so the replicas
+    start equal. Errors are ``ValueError`` naming ``model``.
+
+    Args:
+        spec: ``MODULE:FACTORY``.
+        input_shape: one example's shape.
+        num_classes: number of classes (outputs).
+        **options: further keyword arguments for the factory.
+    """
+    factory = import_factory(spec, "model")
+    takes = parameters(factory)
+    derived = {"input_shape": tuple(input_shape), "num_classes": num_classes}
+    kwargs = {k: v for k, v in derived.items() if k in takes or "*" in takes}
+    model = call_factory(
+        factory, spec, "model", {**kwargs, **options},
+        hint="; a model factory takes input_shape and num_classes, by those names, or nothing")
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model {spec!r}: the factory returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
 def build_model(
     name: str, input_shape: Sequence[int], num_classes: int, **options
 ) -> nn.Module:
     """A model by name for the given input shape; ValueError listing the known names.
 
     Args:
-        name: one of :data:`MODELS`.
+        name: one of :data:`MODELS`, or ``pkg.module:factory`` (:func:`build_user_model`).
         input_shape: one example's shape; for ``"transformer"`` it is ``(block_size,)``.
         num_classes: outputs; for ``"transformer"`` the vocabulary size.
         **options: further constructor arguments, e.g. ``hidden=(256,)`` for ``"mlp"``,
             ``n_layer=4`` for ``"transformer"``.
     """
+    if is_factory(name):
+        return build_user_model(name, input_shape, num_classes, **options)
     _check_name(name)
     builder, constructor, _ = _REGISTRY[name]
     accepted = set(inspect.signature(constructor).parameters) - _DERIVED
@@ -308,5 +346,6 @@ DEFAULT_MODELS = {"digits": "mlp", "mnist": "cnn", "fashion-mnist": "cnn", "cifa
 
 
 def resolve_model(config: Any) -> str:
-    """The model a run trains: ``config.model``, or its data set's usual one for ``auto``."""
+    """The model a run trains: ``config.model``, or its data set's usual one for ``auto``
+    (``"mlp"`` for a data set of the user's own)."""
     return DEFAULT_MODELS.get(config.dataset, "mlp") if config.model == "auto" else config.model
