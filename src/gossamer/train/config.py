@@ -53,11 +53,12 @@ class TrainConfig:
                                   help="a registered name: `gossamer algorithms` lists them")
     options: InitVar[Mapping[str, Any] | None] = None  # the algorithm's options, by name
     compressor: InitVar[Any] = None  # a compressor spec NAME[:KEY=VALUE...], by name
-    dataset: str = option("digits", "digits (embedded), mnist, fashion-mnist, cifar10, text")
+    dataset: str = option("digits", "digits (embedded), mnist, fashion-mnist, cifar10, text, or "
+                          "MODULE:FACTORY for your own (see docs/training.md)")
     data_path: str | None = option(None, "directory (or text file) of the data set; not for "
-                                   "digits")
-    model: str = option("auto", "mlp, cnn, resnet20, transformer; auto: the data set's usual "
-                        "one")
+                                   "digits; passed as path= to a dataset factory that takes one")
+    model: str = option("auto", "mlp, cnn, resnet20, transformer, or MODULE:FACTORY for your "
+                        "own; auto: the data set's usual one")
     block_size: int = option(64, "text: characters of context")
     # optimisation
     steps: int = option(300, "optimizer steps per worker; ~20 epochs of digits with 4 workers")
