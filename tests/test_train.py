@@ -304,3 +304,22 @@ def test_resume_refuses_other_settings_and_old_checkpoints_are_pruned(tmp_path):
         run_training(small(tmp_path, steps=40, checkpoint_every=10, lr=0.1, resume=True))
     # what changes no trajectory may differ
     run_training(small(tmp_path, steps=40, checkpoint_every=10, resume=True, eval_every=20))
+
+
+@pytest.mark.slow
+def test_compare_default_set_learns_the_default_task():
+    """Every method of compare's default set trains the default task to within 2 points of
+    AllReduce with its defaults; a method left out says what it needs."""
+    from gossamer.algorithms import available, lookup
+    from gossamer.train.compare import default_algorithms
+
+    chosen = default_algorithms().split(",")
+    left_out = sorted(set(available()) - set(chosen))
+    assert left_out == ["randomk"] and all(lookup(name).needs for name in left_out)
+    accuracy = {name: run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
+                ["eval_accuracy"] for name in chosen}
+    for name in chosen:
+        assert accuracy[name] >= accuracy["allreduce"] - 0.02, (name, accuracy)
+    needs = run_training(TrainConfig(sim=4, algorithm="randomk", quiet=True,
+                                     options={"ratio": "0.1", "error_feedback": "false"}))
+    assert needs["eval_accuracy"] >= 0.9  # what its note says it needs does learn

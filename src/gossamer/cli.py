@@ -186,6 +186,8 @@ def _algorithms(args: argparse.Namespace) -> int:
 
     def show(name: str, cls: type) -> None:
         print(f"{name}: {summary(cls)}")
+        if getattr(cls, "needs", ""):
+            print(f"    NEEDS: {cls.needs}")
         for option, type_name, default, text in describe_options(cls):
             print(f"    {option} ({type_name}, default {default!r})"
                   + (f": {text}" if text else ""))

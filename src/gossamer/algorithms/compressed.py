@@ -131,6 +131,10 @@ class RandomKAllReduce(CompressedAllReduce, RandomKCompression):
     """
 
     name: ClassVar[str] = "randomk"
+    needs: ClassVar[str] = (
+        "its defaults (ratio 0.01, error feedback) diverge with momentum SGD on digits (24.5% "
+        "after 300 steps); ratio=0.1 with error_feedback=false reaches 90.5%, ratio=0.25 89.4%, "
+        "against 96.9% for allreduce")
 
 
 @dataclass(frozen=True, kw_only=True)
