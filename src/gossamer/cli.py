@@ -101,7 +101,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--algorithms", default=None,
                    help="comma-separated NAME or NAME:KEY=VALUE:... entries (default: every "
-                   "registered algorithm)")
+                   "registered algorithm that learns with its defaults)")
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default: 8)")
     p.add_argument("--out", default="gossamer-compare",
                    help="output directory (default: gossamer-compare)")
