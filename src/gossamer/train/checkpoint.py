@@ -315,6 +315,9 @@ def load_checkpoint(
             f"checkpoint {path} was written by {meta['world_size']} workers; this run has "
             f"{world_size}"
         )
+    if meta.get("format", "gossamer") != "gossamer":  # see gossamer.train.dcp
+        raise ValueError(f"checkpoint {path} is in the {meta['format']!r} format; resume it "
+                         f"with checkpoint_format {meta['format']!r}")
     files = meta.get("files", {})
     name = f"rank-{rank:05d}.pt"
     shard = safe_load(path / name, files.get(name))
