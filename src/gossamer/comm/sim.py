@@ -798,6 +798,11 @@ class SimComm:
     def clock(self) -> float:
         return self._worker.clock
 
+    @property
+    def idle_time(self) -> float:
+        """Virtual seconds this worker spent blocked, waiting for other workers or the network."""
+        return self._worker.idle_time
+
     # ---- fault injection (gossamer.comm.faults)
     def fail(self, kind: str, reason: str) -> NoReturn:
         """``"crash"``: this worker stops here, as a dead process would (whoever waits for it

@@ -237,6 +237,7 @@ class TorchCommunicator:
         self._timeout = float(timeout if timeout is not None else default_timeout(self._backend))
         self._stats = CommStats()
         self._t0 = time.perf_counter()
+        self._idle = 0.0  # seconds blocked in _wait
         self._seq = 0  # collectives started: every member runs the same sequence
         self._exchanges = 0
         self._label = "no operation yet"
@@ -498,6 +499,12 @@ class TorchCommunicator:
         """Real seconds since this communicator was made."""
         return time.perf_counter() - self._t0
 
+    @property
+    def idle_time(self) -> float:
+        """Real seconds spent blocked waiting for collectives and exchanges to complete (the
+        transfer itself included), since this communicator was made."""
+        return self._idle
+
     def compute_step(self) -> None:
         """Nothing to do: real time passed while the step computed."""
 
@@ -567,11 +574,14 @@ class TorchCommunicator:
     def _wait(self, work, label: str, peers: list[int], deadline: float,
               collective: bool = True) -> None:
         # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond.
-        remaining = max(deadline - time.perf_counter(), 1e-3)
+        started = time.perf_counter()
+        remaining = max(deadline - started, 1e-3)
         try:
             done = work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as exc:
             raise self._failure(label, peers, exc, deadline, collective) from exc
+        finally:
+            self._idle += time.perf_counter() - started
         if done is False:
             raise self._failure(label, peers, None, deadline, collective)
 

@@ -6,11 +6,9 @@ and of each replica, the consensus distance, bytes and messages sent, wall-clock
 from __future__ import annotations
 
 import copy
-import json
-import math
-import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +18,12 @@ from torch import nn
 
 from gossamer.algorithms import model_tensors
 from gossamer.comm.base import Communicator
+from gossamer.loggers import LOGGERS, JSONLLogger, Logger, make_logger, read_lines
+from gossamer.metrics import replica_mean
 from gossamer.train.config import TrainConfig, learning_rate
 from gossamer.train.data import Dataset
 
-__all__ = ["MetricsLog", "Progress", "evaluate", "format_bytes", "loss_fn", "measure"]
+__all__ = ["MetricsLog", "Progress", "evaluate", "format_bytes", "loss_fn", "measure", "read_lines"]
 
 
 EVAL_BATCH = 1024  # examples per forward pass when evaluating: bounds memory on big test sets
@@ -94,65 +94,42 @@ def format_bytes(n: float) -> str:
 
 
 class MetricsLog:
-    """Rank 0's records: kept in memory, appended to metrics.jsonl, optionally TensorBoard."""
+    """Rank 0's records: kept in memory and given to each logger (:mod:`gossamer.loggers`).
 
-    def __init__(self, config: TrainConfig, enabled: bool, resume_step: int) -> None:
+    Only where ``enabled`` (rank 0). With a run directory: ``metrics.jsonl`` always (a resumed
+    run keeps the records up to ``resume_step``), TensorBoard with ``config.tensorboard``, and
+    each name in ``loggers`` (of :data:`gossamer.loggers.LOGGERS`), made under the run
+    directory. The :class:`~gossamer.loggers.Logger` objects in ``loggers`` get the records
+    with or without a run directory; ``close()`` closes them too.
+    """
+
+    def __init__(self, config: TrainConfig, enabled: bool, resume_step: int,
+                 loggers: Sequence[str | Logger] = ()) -> None:
         self.records: list[dict[str, Any]] = []
-        self.file = None
-        self.tensorboard = None
-        if not enabled or not config.run_dir:
+        self.loggers: list[Logger] = []
+        for logger in loggers:  # names are checked on every rank, before any file is made
+            if isinstance(logger, str) and logger not in LOGGERS:
+                raise ValueError(f"loggers: {logger!r} is not one of "
+                                 f"{', '.join(sorted(LOGGERS))}")
+        if not enabled:
             return
-        path = Path(config.run_dir) / "metrics.jsonl"
-        if resume_step:  # drop what the interrupted run recorded after its checkpoint
-            records = [json.loads(line) for line in read_lines(path)]
-            kept = [r for r in records
-                    if r.get("step", 0) <= resume_step and r.get("kind") != "summary"]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        else:
-            path.write_text("")
-        self.file = path.open("a")
-        if config.tensorboard:
-            from gossamer.train.report import TensorBoardLogger
-
-            self.tensorboard = TensorBoardLogger(Path(config.run_dir) / "tensorboard")
+        if config.run_dir:
+            run_dir = Path(config.run_dir)
+            self.loggers.append(JSONLLogger(run_dir / "metrics.jsonl", resume_step))
+            names = [x for x in loggers if isinstance(x, str) and x != "jsonl"]
+            if config.tensorboard and "tensorboard" not in names:
+                names.insert(0, "tensorboard")
+            self.loggers += [make_logger(name, run_dir) for name in names]
+        self.loggers += [x for x in loggers if not isinstance(x, str)]
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        if self.file is not None:
-            self.file.write(json.dumps(_json_safe(record)) + "\n")
-            self.file.flush()
-        if self.tensorboard is not None:
-            self.tensorboard.log(record)
+        for logger in self.loggers:
+            logger.log(record)
 
     def close(self) -> None:
-        if self.file is not None:
-            os.fsync(self.file.fileno())
-            self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN and infinities (not JSON) become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-def read_lines(path: Path) -> list[str]:
-    lines = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
-            lines.append(line)
-    return lines
+        for logger in self.loggers:
+            logger.close()
 
 
 def measure(
@@ -162,16 +139,10 @@ def measure(
 ) -> dict[str, Any]:
     """Collective: evaluate the averaged model and each replica, and the consensus distance."""
     with torch.no_grad():
-        tensors = model_tensors(model)  # parameters first, then float buffers
-        # In float64, so that the mean of identical replicas is exact and their consensus
-        # distance exactly 0 (float32 sums would leave rounding noise).
-        own = [t.detach().double() for t in tensors]
-        mean = torch.cat([t.reshape(-1) for t in own])
-        comm.all_reduce(mean, op="mean")
-        means = list(torch.split(mean, [t.numel() for t in own]))
-        # consensus distance over parameters only: mean over workers of ||x_i - mean||^2
-        own_sq = sum(float((t.reshape(-1) - m).pow(2).sum())
-                     for t, m in zip(own[: len(params)], means, strict=False))
+        # own_sq is averaged below with the other scalars, in one all-reduce: the same figure
+        # as gossamer.metrics.consensus_distance
+        means, own_sq = replica_mean(model, comm)
+        tensors = model_tensors(model)
         if runtime.replicas_identical and len(tensors) == len(params):
             averaged = model  # identical replicas, no per-worker statistics to average
         else:

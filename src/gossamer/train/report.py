@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from gossamer.loggers import TensorBoardLogger  # noqa: F401  (moved there; still importable here)
+
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 REPORT_FILE = "report.md"
@@ -414,52 +416,3 @@ def run_plot(args: argparse.Namespace) -> int:
         print(path)
     print(report)
     return 0
-
-
-# ----------------------------------------------------------------------------- TensorBoard
-
-
-class TensorBoardLogger:
-    """Mirror ``train`` and ``eval`` records to TensorBoard scalars, at their step.
-
-    Scalars are named ``KIND/FIELD`` (``eval/eval_loss``); lists and non-numeric fields are
-    skipped. Needs the optional ``tensorboard`` package.
-
-    Example::
-
-        with TensorBoardLogger(run_dir / "tb") as tb:
-            for record in records:
-                tb.log(record)
-    """
-
-    def __init__(self, log_dir: str | Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as error:
-            raise ImportError(
-                "TensorBoardLogger needs the tensorboard package: pip install tensorboard"
-            ) from error
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def log(self, record: dict[str, Any]) -> None:
-        """Write the numeric fields of a ``train`` or ``eval`` record; ignore other kinds."""
-        kind = record.get("kind")
-        step = record.get("step")
-        if kind not in ("train", "eval") or isinstance(step, bool) or not isinstance(step, int):
-            return
-        for key in record:
-            if key in ("kind", "step"):
-                continue
-            value = _number(record, key)
-            if value is not None:
-                self._writer.add_scalar(f"{kind}/{key}", value, global_step=step)
-
-    def close(self) -> None:
-        """Flush and close the event file."""
-        self._writer.close()
-
-    def __enter__(self) -> TensorBoardLogger:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
