@@ -31,6 +31,13 @@ def test_the_algorithm_is_resolved_into_its_object_and_round_trips(tmp_path):
     assert config.algorithm == SGP(tau=1, topology="ring")
     assert config.bandwidth == 12.5e6
     assert _round_trip(config, tmp_path) == config
+    logged = TrainConfig(run_dir=str(tmp_path / "run"), loggers=("wandb", "mlflow"),
+                         checkpoint_every=5, checkpoint_format="dcp")
+    assert _round_trip(logged, tmp_path) == logged
+    with pytest.raises(ValueError, match="loggers: 'nope' is unknown"):
+        TrainConfig(run_dir="d", loggers=("nope",))
+    with pytest.raises(ValueError, match="loggers need run_dir"):
+        TrainConfig(loggers=("mlflow",))
     compressed = TrainConfig(compressor="dgc:ratio=0.01")
     assert isinstance(compressed.algorithm, AllReduce)
     assert _round_trip(compressed, tmp_path) == compressed

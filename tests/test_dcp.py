@@ -168,3 +168,44 @@ def test_dcp_needs_torch_distributed_workers(tmp_path):
             gdcp.save_dcp(tmp_path / "c", model, optimizer, comm, 1)
 
     SimWorld(2).run(worker)
+
+
+def _summary(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    return [r for r in records if r["kind"] == "summary"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gossamer_train_checkpoints_and_resumes_through_dcp(tmp_path):
+    """`--checkpoint-format dcp`: a run killed after its step-5 checkpoint and resumed ends
+    with the figures of the run that was never stopped."""
+    import io
+
+    from gossamer.launch.launcher import launch
+
+    common = ["--algorithm", "sgp", "--steps", "10", "--eval-every", "0", "--quiet",
+              "--checkpoint-every", "5", "--checkpoint-format", "dcp"]
+
+    def run(*args: str) -> int:
+        err = io.StringIO()
+        code = launch([*common, *args], 2, stdout=io.StringIO(), stderr=err)
+        return code if code == 0 or "crash" in err.getvalue() else -1
+
+    assert run("--run-dir", str(tmp_path / "a")) == 0
+    assert run("--run-dir", str(tmp_path / "b"), "--fault", "1:8:crash") != 0
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text().strip()
+    assert run("--run-dir", str(tmp_path / "b"), "--resume") == 0
+    straight, resumed = _summary(tmp_path / "a"), _summary(tmp_path / "b")
+    for key in ("eval_loss", "eval_accuracy", "bytes_sent", "consensus_distance"):
+        assert resumed[key] == straight[key], key
+
+
+def test_dcp_checkpoints_need_real_processes():
+    from gossamer.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="checkpoint_format 'dcp' needs real processes"):
+        TrainConfig(sim=4, run_dir="d", checkpoint_every=5,
+                    checkpoint_format="dcp").check_mode(simulated=True)
+    with pytest.raises(ValueError, match="checkpoint_format 'zip' is unknown"):
+        TrainConfig(checkpoint_format="zip")

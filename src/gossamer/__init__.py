@@ -12,6 +12,7 @@ Every method, compressor and communicator is importable from here. Example::
                                     gossamer.AllReduce(compression="topk:ratio=0.01"))
 """
 
+from gossamer import loggers, metrics
 from gossamer.algorithms import (
     ADPSGD,
     DGC,
@@ -37,6 +38,8 @@ from gossamer.algorithms import (
 from gossamer.api import DistributedOptimizer, distribute
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld, TorchCommunicator
 from gossamer.compress import available_compressors, parse_compression
+from gossamer.loggers import Logger
+from gossamer.metrics import consensus_distance, snapshot
 
 __version__ = "0.1.0"
 
@@ -53,6 +56,7 @@ __all__ = [
     "ComputeModel",
     "DistributedOptimizer",
     "FP16AllReduce",
+    "Logger",
     "GossipGraD",
     "LocalSGD",
     "NetworkModel",
@@ -66,8 +70,12 @@ __all__ = [
     "__version__",
     "available",
     "available_compressors",
+    "consensus_distance",
     "distribute",
+    "loggers",
+    "metrics",
     "parse_compression",
     "push_sum_average",
+    "snapshot",
     "with_compression",
 ]

@@ -27,6 +27,7 @@ from gossamer.options import option, option_help
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 PARTITIONS = ("iid", "dirichlet")
+CHECKPOINT_FORMATS = ("gossamer", "dcp")
 
 
 # The settings that only the simulator reads, and the one only real processes read: given in
@@ -89,8 +90,14 @@ class TrainConfig:
     run_dir: str | None = option(None, "where config, metrics, checkpoints and plots go")
     checkpoint_every: int = option(0, "steps between checkpoints (0: none); needs run_dir")
     keep_checkpoints: int = option(3, "newest checkpoints kept on disk (0: all)")
+    checkpoint_format: str = option("gossamer", "gossamer (its own: per-worker shards, "
+                                    "checksums) or dcp (torch.distributed.checkpoint; real "
+                                    "processes only)")
     resume: bool = option(False, "continue from run_dir's latest checkpoint")
     tensorboard: bool = option(False, "also log to TensorBoard in run_dir/tensorboard")
+    loggers: tuple[str, ...] = option((), "repeatable NAME: also send the records to tensorboard, "
+                                      "wandb (offline) or mlflow (a local store in run_dir); "
+                                      "needs run_dir")
     # torch.distributed has no authentication: whoever reaches the store's port can join
     bind_all: bool = option(False, "real runs: rendezvous on all interfaces, not only "
                             "MASTER_ADDR")
@@ -125,6 +132,7 @@ class TrainConfig:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("partition", self.partition, PARTITIONS)
+        _check_choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         check_positive("lr", self.lr, allow_zero=False)
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
@@ -162,6 +170,17 @@ class TrainConfig:
             raise ValueError("resume needs run_dir (whose latest checkpoint to continue)")
         if self.tensorboard and not self.run_dir:
             raise ValueError("tensorboard needs run_dir (the logs go to run_dir/tensorboard)")
+        object.__setattr__(self, "loggers", (self.loggers,) if isinstance(self.loggers, str)
+                           else tuple(self.loggers))
+        if self.loggers:
+            from gossamer.loggers import LOGGERS
+
+            unknown = [name for name in self.loggers if name not in LOGGERS]
+            if unknown:
+                raise ValueError(f"loggers: {unknown[0]!r} is unknown; known: "
+                                 f"{', '.join(sorted(LOGGERS))}")
+            if not self.run_dir:
+                raise ValueError("loggers need run_dir (where their records go)")
 
     def check_effect(self) -> None:
         """A setting changed from its default where it does nothing is an error saying why
@@ -177,6 +196,8 @@ class TrainConfig:
                           "the digits data set is embedded: it reads no files"),
             "keep_checkpoints": (not self.checkpoint_every,
                                  "applies when checkpoints are written (checkpoint_every > 0)"),
+            "checkpoint_format": (not self.checkpoint_every and not self.resume,
+                                  "applies when checkpoints are written or resumed"),
         }
         for name, (no_effect, why) in unused.items():
             if no_effect and getattr(self, name) != _DEFAULTS[name]:
@@ -189,6 +210,9 @@ class TrainConfig:
             if given:
                 raise ValueError(f"{given[0]} applies to real processes only (the "
                                  "torch.distributed rendezvous); this run is simulated")
+            if self.checkpoint_format == "dcp":
+                raise ValueError("checkpoint_format 'dcp' needs real processes "
+                                 "(torch.distributed.checkpoint); this run is simulated")
             return
         given = [n for n in SIM_ONLY if getattr(self, n) != _DEFAULTS[n]]
         if given:
@@ -226,7 +250,7 @@ class TrainConfig:
         to this config."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["algorithm"] = algorithm_spec(self.algorithm)
-        for name in ("milestones", "faults", "stragglers", "links"):
+        for name in ("milestones", "faults", "stragglers", "links", "loggers"):
             d[name] = list(d[name])
         return d
 
@@ -351,6 +375,7 @@ _DEFAULTS.update({name: f.default if f.default is not dataclasses.MISSING else f
 _INIT_ONLY = ("options", "compressor")  # recipe keys and flags that resolve the algorithm
 _RECORD_ONLY = ("world_size",)  # written into a run directory's config.yaml for the record
 _REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggler", "RANK:FACTOR"),
+             "loggers": ("--logger", "NAME"),
              "links": ("--link", "SRC:DST:RATE[:LATENCY]")}
 #: The flags of ``gossamer train --help``, by concern.
 GROUPS = {
@@ -361,8 +386,9 @@ GROUPS = {
                      "nesterov", "weight_decay", "schedule", "warmup_steps", "milestones",
                      "gamma", "min_lr"),
     "evaluation and run directory": ("eval_every", "eval_workers", "log_every", "run_dir",
-                                     "checkpoint_every", "keep_checkpoints", "resume",
-                                     "tensorboard", "quiet"),
+                                     "checkpoint_every", "keep_checkpoints",
+                                     "checkpoint_format", "resume", "tensorboard", "loggers",
+                                     "quiet"),
     "simulator": ("sim", "latency", "bandwidth", "links", "compute_time", "stragglers",
                   "jitter"),
     "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all",),

@@ -25,6 +25,7 @@ from gossamer.api import distribute
 from gossamer.comm.base import Communicator
 from gossamer.comm.faults import FaultInjector
 from gossamer.train import checkpoint as ckpt
+from gossamer.train import dcp
 from gossamer.train.agreement import check_agreement, describe_run
 from gossamer.train.config import TrainConfig, learning_rate
 from gossamer.train.data import Dataset, ShardSampler, partition
@@ -106,20 +107,24 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     start = 0
     if config.resume:
         # the newest checkpoint that every worker verifies (the workers agree on its step)
-        start, shard, shared = ckpt.resume_checkpoint(comm, config.run_dir)
-        state = shared if shared is not None else shard
-        model.load_state_dict(state["model"])
-        for name, buffer in model.named_buffers():
-            buffer.copy_(shard["buffers"][name])
-        # each worker's own algorithm state, also where the optimizer's is shared
-        optimizer.load_state_dict({**state["optimizer"], "algorithm": shard["algorithm"]})
+        if config.checkpoint_format == "dcp":  # model, optimizer and algorithm loaded there
+            start, shard = dcp.resume_dcp_checkpoint(comm, config.run_dir, model, optimizer)
+        else:
+            start, shard, shared = ckpt.resume_checkpoint(comm, config.run_dir)
+            state = shared if shared is not None else shard
+            model.load_state_dict(state["model"])
+            for name, buffer in model.named_buffers():
+                buffer.copy_(shard["buffers"][name])
+            # each worker's own algorithm state, also where the optimizer's is shared
+            optimizer.load_state_dict({**state["optimizer"], "algorithm": shard["algorithm"]})
         sampler.load_state_dict(shard["sampler"])
         torch.set_rng_state(shard["rng"])
         offsets = dict(shard["offsets"])
         # the set-up broadcast was counted before the checkpoint already
         excluded = {"bytes": comm.stats.total_bytes_sent,
                     "messages": comm.stats.total_messages_sent, "time": comm.clock()}
-    metrics = MetricsLog(config, enabled=comm.rank == 0, resume_step=start)
+    metrics = MetricsLog(config, enabled=comm.rank == 0, resume_step=start,
+                         loggers=config.loggers)
     progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet, start=start)
     params = [p for p in model.parameters()]
     examples_per_step = config.batch_size * config.accumulation * comm.world_size
@@ -203,6 +208,12 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
 
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
     sent, messages, clock = counters
+    if config.checkpoint_format == "dcp":  # each worker's model and state under its rank
+        extra = {"sampler": _to_safe(sampler.state_dict()), "rng": torch.get_rng_state(),
+                 "offsets": {"bytes": sent, "messages": messages, "time": clock}}
+        dcp.save_dcp_checkpoint(comm, config.run_dir, step, model, optimizer, extra,
+                                keep=config.keep_checkpoints)
+        return
     # the algorithm's state is taken once: taking it may settle messages in flight (WAGMA)
     optimizer_state = optimizer.state_dict()  # the algorithm's state under "algorithm"
     shard = {

@@ -51,7 +51,7 @@ def prepare(config: TrainConfig) -> Dataset:
 # steps, which may be raised to train longer (a cosine schedule then stretches).
 _FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers", "log_every",
                    "checkpoint_every", "keep_checkpoints", "timeout", "run_dir", "world_size",
-                   "steps", "faults", "bind_all"}
+                   "steps", "faults", "bind_all", "loggers"}
 
 
 def check_resume(config: TrainConfig) -> None:
