@@ -256,3 +256,12 @@ def test_tensorboard_logger_writes_events_or_says_how_to_install(tmp_path):
             logger.log({"kind": "summary", "step": 10, "eval_loss": 0.5})  # ignored
         events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
         assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_sixteen_runs_get_sixteen_colours_and_a_diverged_loss_a_log_axis():
+    from gossamer.train.report import _colour, loss_scale
+
+    assert len({str(_colour(i, 16)) for i in range(16)}) == 16
+    assert [_colour(i, 3) for i in range(3)] == ["C0", "C1", "C2"]  # the defaults up to 10
+    assert loss_scale([2.3, 0.5, 0.1]) == "linear"
+    assert loss_scale([2.3, 0.1, 1e13, float("nan")]) == "log"

@@ -260,19 +260,23 @@ def plot_runs(runs: Sequence[RunMetrics], out_dir: str | Path) -> list[Path]:
             ax = fig.add_subplot()
             log_x = stem == "bytes"
             x_scale = 1 / byte_factor if log_x else 1.0
+            losses = []
             for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
-                color = f"C{i % 10}"
+                color = _colour(i, len(runs))
                 y_key = "eval_loss" if metric == "loss" else "eval_accuracy"
                 y_scale = 100.0 if metric == "accuracy" else 1.0
                 xs, ys = _series(run.evals, x_key, y_key, positive_x=log_x)
                 ax.plot([x * x_scale for x in xs], [y * y_scale for y in ys], color=color,
                         marker="o", markersize=3, linewidth=1.6, label=label)
+                losses += ys
                 if metric == "loss":
                     # train records are denser; older runs only have train_loss on evals
                     xs, ys = _series(run.trains or run.evals, x_key, "train_loss",
                                      positive_x=log_x)
                     ax.plot([x * x_scale for x in xs], ys, color=color, linestyle="--",
                             linewidth=1.1, alpha=0.8)
+            if metric == "loss":
+                ax.set_yscale(loss_scale(losses))
             if log_x:
                 ax.set_xscale("log")
                 # "0.1 1 10" reads faster than "10^-1 10^0 10^1" next to a unit
@@ -295,6 +299,22 @@ def plot_runs(runs: Sequence[RunMetrics], out_dir: str | Path) -> list[Path]:
             fig.savefig(path)
             written.append(path)
     return written
+
+
+def loss_scale(losses: Sequence[float]) -> str:
+    """``"log"`` when the losses span more than a factor of 100 (a diverged run would flatten
+    every other curve on a linear axis), else ``"linear"``."""
+    positive = [y for y in losses if y > 0 and math.isfinite(y)]
+    return "log" if positive and max(positive) > 100 * min(positive) else "linear"
+
+
+def _colour(i: int, n: int) -> Any:
+    """Run ``i``'s colour: matplotlib's ten defaults, or twenty distinct ones for more runs."""
+    if n <= 10:
+        return f"C{i}"
+    from matplotlib import colormaps
+
+    return colormaps["tab20"](i % 20)
 
 
 # ----------------------------------------------------------------------------- report
