@@ -290,11 +290,17 @@ def safe_load(path: Path, sha256: str | None = None) -> Any:
     path = Path(path)
     data = _read(path)
     _check_digest(path, data, sha256)
+    return safe_loads(data, f"checkpoint file {path}")
+
+
+def safe_loads(data: bytes, what: str) -> Any:
+    """``torch.load`` of ``data`` (bytes) with tensors and plain data only; anything else is
+    refused with a ValueError naming ``what``. The one place that unpickles a checkpoint."""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError and friends: refuse, say why
         raise ValueError(
-            f"checkpoint file {path} was refused: it holds something other than tensors and "
+            f"{what} was refused: it holds something other than tensors and "
             f"plain data ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         ) from exc
 

@@ -189,7 +189,8 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     state = {k: _empty(m) for k, m in tensors.items() if k.startswith(prefix) or k == "step"}
     dcp.load(state, checkpoint_id=path, process_group=group)
     encoded = state.pop(prefix + "structure")
-    saved_state = torch.load(io.BytesIO(encoded.numpy().tobytes()), weights_only=True)
+    saved_state = ckpt.safe_loads(encoded.numpy().tobytes(),
+                                  f"checkpoint {path}: rank {comm.rank}'s state")
     found = {tuple(p): state[prefix + name] for p, name in saved_state["where"]}
     own = _join(saved_state["structure"], (), found)
     model.load_state_dict(own["model"])
