@@ -220,8 +220,9 @@ def test_metrics_log_keeps_its_file_and_adds_the_loggers_given(tmp_path):
 def test_metrics_log_makes_a_logger_by_name_under_the_run_directory(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    log = MetricsLog(TrainConfig(run_dir=str(tmp_path)), enabled=True, resume_step=0,
-                     loggers=("mlflow",))
+    log = MetricsLog(TrainConfig(run_dir=str(tmp_path), algorithm="sgp",
+                                 options={"tau": "1"}, lr=0.2),
+                     enabled=True, resume_step=0, loggers=("mlflow",))
     for record in RECORDS:
         log.write(record)
     log.close()
@@ -230,3 +231,6 @@ def test_metrics_log_makes_a_logger_by_name_under_the_run_directory(tmp_path):
                                                                    "train/train_loss")
     assert sorted((m.step, m.value) for m in history) == [(5, 2.5), (10, 1.5), (15, 0.5)]
     assert (tmp_path / "mlflow" / "mlflow.db").is_file()
+    params = MlflowClient(logger.tracking_uri).get_run(logger.run_id).data.params
+    assert params["lr"] == "0.2"  # the run's settings, as its params
+    assert json.loads(params["algorithm"]) == {"name": "sgp", "options": {"tau": 1}}

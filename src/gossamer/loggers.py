@@ -294,17 +294,24 @@ class MLflowLogger:
 # ----------------------------------------------------------------------------- by name
 
 
-#: Loggers by name, each made from a run directory (what ``gossamer train`` has).
-LOGGERS: dict[str, Callable[[Path], Logger]] = {
-    "jsonl": lambda run_dir: JSONLLogger(run_dir / "metrics.jsonl"),
-    "tensorboard": lambda run_dir: TensorBoardLogger(run_dir / "tensorboard"),
-    "wandb": lambda run_dir: WandbLogger(run_dir, name=run_dir.name),
-    "mlflow": lambda run_dir: MLflowLogger(run_dir / "mlflow", run_name=run_dir.name),
+#: Loggers by name, each made from a run directory and the run's settings (a plain mapping,
+#: e.g. ``TrainConfig.as_dict()``, or None), which is what ``gossamer train`` has.
+LOGGERS: dict[str, Callable[..., Logger]] = {
+    "jsonl": lambda run_dir, config=None: JSONLLogger(run_dir / "metrics.jsonl"),
+    "tensorboard": lambda run_dir, config=None: TensorBoardLogger(run_dir / "tensorboard"),
+    "wandb": lambda run_dir, config=None: WandbLogger(run_dir, name=run_dir.name,
+                                                      config=config),
+    "mlflow": lambda run_dir, config=None: MLflowLogger(
+        run_dir / "mlflow", run_name=run_dir.name,
+        params={k: v if isinstance(v, (str, int, float, bool)) else json.dumps(v)
+                for k, v in (config or {}).items()}),
 }
 
 
-def make_logger(name: str, run_dir: str | Path) -> Logger:
-    """The logger called ``name`` (a key of :data:`LOGGERS`), writing under ``run_dir``."""
+def make_logger(name: str, run_dir: str | Path,
+                config: Mapping[str, Any] | None = None) -> Logger:
+    """The logger called ``name`` (a key of :data:`LOGGERS`), writing under ``run_dir``;
+    W&B and MLflow record ``config`` (the run's settings) as the run's config and params."""
     if name not in LOGGERS:
         raise ValueError(f"logger {name!r} is not one of {', '.join(sorted(LOGGERS))}")
-    return LOGGERS[name](Path(run_dir))
+    return LOGGERS[name](Path(run_dir), config)

@@ -119,7 +119,8 @@ class MetricsLog:
             names = [x for x in loggers if isinstance(x, str) and x != "jsonl"]
             if config.tensorboard and "tensorboard" not in names:
                 names.insert(0, "tensorboard")
-            self.loggers += [make_logger(name, run_dir) for name in names]
+            settings = config.as_dict() if names else None  # the run's, for W&B and MLflow
+            self.loggers += [make_logger(name, run_dir, settings) for name in names]
         self.loggers += [x for x in loggers if not isinstance(x, str)]
 
     def write(self, record: dict[str, Any]) -> None:
