@@ -20,10 +20,10 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["convert", "describe_options", "option", "option_help"]
+__all__ = ["convert", "converted", "describe_options", "option", "option_help"]
 
 _MISSING: Any = dataclasses.MISSING
 
@@ -56,6 +56,21 @@ def describe_options(cls: type) -> list[tuple[str, str, Any, str]]:
             default = None
         rows.append((f.name, type_name(hints[f.name]), default, f.metadata.get("help", "")))
     return rows
+
+
+def converted(cls: type, options: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """``options`` as keyword arguments of the dataclass ``cls``: each name checked against its
+    init fields (ValueError naming ``owner``, e.g. ``"algorithm 'sgp'"``, and listing them) and
+    each string converted to the field's type (:func:`convert`)."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in options.items():
+        if key not in known:
+            raise ValueError(f"{owner} has no option {key!r}; its options: "
+                             f"{', '.join(sorted(known)) or 'none'}")
+        kwargs[key] = convert(key, value, hints[key], owner=owner)
+    return kwargs
 
 
 def type_name(tp: Any) -> str:

@@ -7,12 +7,11 @@ name and a few ``key=value`` options from a command line or YAML file build the 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gossamer.algorithms.base import Algorithm
-from gossamer.options import convert, type_name
+from gossamer.options import converted, describe_options
 
 if TYPE_CHECKING:
     from gossamer.compress.registry import Compression
@@ -51,30 +50,12 @@ def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
         create("allreduce", {"bucket_mb": "10"})  # AllReduce(bucket_mb=10.0)
     """
     cls = lookup(name)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in (options or {}).items():
-        if key not in fields:
-            raise ValueError(
-                f"algorithm {name!r} has no option {key!r}; its options: "
-                f"{', '.join(sorted(fields)) or 'none'}"
-            )
-        kwargs[key] = convert(key, value, hints[key], owner=f"algorithm {name!r}")
-    return cls(**kwargs)
+    return cls(**converted(cls, options or {}, owner=f"algorithm {name!r}"))
 
 
 def describe(name: str) -> list[tuple[str, str, Any]]:
     """(option, type, default) for each option of ``name``, for help texts."""
-    cls = lookup(name)
-    hints = typing.get_type_hints(cls)
-    rows = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append((f.name, type_name(hints[f.name]), default))
-    return rows
+    return [(option, tp, default) for option, tp, default, _ in describe_options(lookup(name))]
 
 
 def with_compression(algorithm: Algorithm,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from gossamer.compress.memory import ErrorFeedback
 from gossamer.compress.powersgd import PowerSGD
 from gossamer.compress.qsgd import QSGD
 from gossamer.compress.sparse import RandomK, TopK
-from gossamer.options import convert, option
+from gossamer.options import converted, option
 
 __all__ = [
     "Compression",
@@ -175,14 +174,7 @@ def parse_compression(spec: str | Mapping[str, Any] | Compression) -> Compressio
         raise ValueError(f"compressor: no name in {spec!r}; known compressors: "
                          f"{', '.join(available_compressors())}")
     cls = lookup_compression(name)
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs = {}
-    for key, value in options.items():
-        if key not in known:
-            raise ValueError(f"compressor {name!r} has no option {key!r}; its options: "
-                             f"{', '.join(sorted(known)) or 'none'}")
-        kwargs[key] = convert(key, value, hints[key], owner=f"compressor {name!r}")
+    kwargs = converted(cls, options, owner=f"compressor {name!r}")
     try:
         return cls(**kwargs)
     except ValueError as e:

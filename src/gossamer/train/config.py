@@ -240,10 +240,6 @@ class TrainConfig:
             factors[rank] = factor
         return ComputeModel(step_time=self.compute_time, stragglers=factors, jitter=self.jitter)
 
-    @property
-    def algorithm_name(self) -> str:
-        return self.algorithm.name
-
     def as_dict(self) -> dict[str, Any]:
         """Plain values (YAML), the algorithm as ``{"name": ..., "options": {...}}`` with the
         options that differ from their defaults: ``TrainConfig(**load_settings(d))`` is equal
@@ -321,14 +317,19 @@ def _parse_link(spec: str, world_size: int) -> tuple[tuple[int, int], float, flo
                          "0:1:12.5e6:0.001)") from None
     rate = parse_rate(parts[2], arg=f"links {spec!r}")
     for rank in (src, dst):
-        if rank < 0 or (world_size and rank >= world_size):
-            raise ValueError(f"links {spec!r}: rank {rank} does not exist"
-                             + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
+        _check_rank(f"links {spec!r}", rank, world_size)
     if src == dst:
         raise ValueError(f"links {spec!r}: a link joins two different ranks")
     if latency is not None:
         check_positive(f"links {spec!r}: latency", latency, allow_zero=True)
     return (src, dst), rate, latency
+
+
+def _check_rank(what: str, rank: int, world_size: int) -> None:
+    """``rank`` must exist: >= 0, and below ``world_size`` when that is known (not 0)."""
+    if rank < 0 or (world_size and rank >= world_size):
+        raise ValueError(f"{what}: rank {rank} does not exist"
+                         + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
 
 
 def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
@@ -337,9 +338,7 @@ def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
         rank, factor = int(rank_text), float(factor_text)
     except ValueError:
         raise ValueError(f"stragglers: {spec!r} is not RANK:FACTOR (e.g. 3:4)") from None
-    if rank < 0 or (world_size and rank >= world_size):
-        raise ValueError(f"stragglers {spec!r}: rank {rank} does not exist"
-                         + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
+    _check_rank(f"stragglers {spec!r}", rank, world_size)
     if not factor > 0 or math.isinf(factor):
         raise ValueError(f"stragglers {spec!r}: the factor must be a finite number > 0")
     return rank, factor

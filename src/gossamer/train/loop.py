@@ -214,12 +214,13 @@ def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> N
         dcp.save_dcp_checkpoint(comm, config.run_dir, step, model, optimizer, extra,
                                 keep=config.keep_checkpoints)
         return
-    # the algorithm's state is taken once: taking it may settle messages in flight (WAGMA)
-    optimizer_state = optimizer.state_dict()  # the algorithm's state under "algorithm"
+    # the algorithm's state is taken once (taking it may settle messages in flight: WAGMA)
+    # and saved once, in this worker's shard; the optimizer's may be shared
+    optimizer_state = optimizer.state_dict()
     shard = {
         # BatchNorm statistics differ between workers even when parameters don't
         "buffers": dict(model.named_buffers()),
-        "algorithm": optimizer_state["algorithm"],
+        "algorithm": optimizer_state.pop("algorithm"),
         "sampler": _to_safe(sampler.state_dict()),
         "rng": torch.get_rng_state(),
         "offsets": {"bytes": sent, "messages": messages, "time": clock},

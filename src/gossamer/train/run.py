@@ -24,10 +24,9 @@ __all__ = ["check_resume", "check_shards", "elastic_restart", "launched_by_launc
            "run_training"]
 
 
-def launched_by_launcher(environ: Mapping[str, str] | None = None) -> bool:
-    """True when torchrun, SLURM, Open MPI or ``gossamer launch`` started this process as one
-    of several (see :func:`gossamer.comm.environment.launched`)."""
-    return launched(environ)
+#: Whether a launcher started this process as one of several: the name this module had for
+#: :func:`gossamer.comm.environment.launched`.
+launched_by_launcher = launched
 
 
 def prepare(config: TrainConfig) -> Dataset:
@@ -56,17 +55,13 @@ _FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers
 
 def check_resume(config: TrainConfig) -> None:
     """A resumed run must have a checkpoint and the settings it was started with."""
-    import yaml
-
     if not ckpt.checkpoint_candidates(config.run_dir):
         raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
     path = Path(config.run_dir) / "config.yaml"
     if not path.is_file():
         return
-    try:
-        started = {**TrainConfig(**load_recipe(path)).as_dict(),
-                   **{k: v for k, v in (yaml.safe_load(path.read_text()) or {}).items()
-                      if k == "model"}}
+    try:  # config.yaml holds the model resolved from auto: a field like any other
+        started = TrainConfig(**load_recipe(path)).as_dict()
     except ValueError as error:
         raise ValueError(f"resume: run_dir {config.run_dir!r} has a config.yaml that cannot "
                          f"be read ({error}); start a new run_dir") from None
