@@ -323,3 +323,26 @@ def test_compare_default_set_learns_the_default_task():
     needs = run_training(TrainConfig(sim=4, algorithm="randomk", quiet=True,
                                      options={"ratio": "0.1", "error_feedback": "false"}))
     assert needs["eval_accuracy"] >= 0.9  # what its note says it needs does learn
+
+
+def test_the_drift_before_the_final_average_is_recorded_and_reported(tmp_path):
+    # D-PSGD settles nothing at the end: without the final exact average the last evaluation's
+    # consensus distance is the drift at the last step; with it, that evaluation sees 0 and
+    # the drift is kept as consensus_distance_before_finish, which the summary and the
+    # compare table show; measuring it is not counted as the algorithm's traffic
+    from gossamer.algorithms import DPSGD
+    from gossamer.train.report import final_consensus, load_metrics, markdown_table
+
+    kept = run_training(small(algorithm=DPSGD(average_at_end=False), sim=4, steps=20))
+    averaged = run_training(small(tmp_path, algorithm="dpsgd", sim=4, steps=20))
+    drift = kept["consensus_distance"]
+    assert drift > 0
+    assert averaged["consensus_distance"] == 0.0
+    assert averaged["consensus_distance_before_finish"] == pytest.approx(drift, rel=1e-12)
+    assert final_consensus(averaged) == averaged["consensus_distance_before_finish"]
+    # the one extra cost is the final average's ring all-reduce (2 (n-1)/n of the model)
+    params = sum(p.numel() for p in loop.build_model("mlp", (64,), 10).parameters())
+    assert averaged["bytes_sent"] - kept["bytes_sent"] == 2 * 3 / 4 * params * 4
+    assert f"{drift:.2e}" in markdown_table([load_metrics(tmp_path)])
+    assert main(["train", "--algorithm", "dpsgd", "--sim", "4", "--steps", "20",
+                 "--quiet"]) == 0

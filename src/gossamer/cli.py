@@ -43,8 +43,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="also write the result as JSON to PATH")
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def _summary_rows(result: dict) -> list[tuple[str, str]]:
     from gossamer.train.loop import format_bytes
+    from gossamer.train.report import final_consensus
 
     clock = "simulated" if result["mode"] == "simulated" else "real"
     acc = result.get("eval_accuracy", float("nan"))
@@ -54,7 +59,7 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
         ("steps", str(result.get("step", "-"))),
         ("eval accuracy", f"{100 * acc:.2f}%"),
         ("eval loss", f"{result.get('eval_loss', float('nan')):.4f}"),
-        ("consensus distance", f"{result.get('consensus_distance', float('nan')):.3g}"),
+        ("consensus distance", f"{_or_nan(final_consensus(result)):.3g}"),
         ("bytes sent per worker", format_bytes(result.get("bytes_sent", 0.0))),
         ("synchronizations", str(result.get("synchronizations", "-"))),
         *([("non-finite updates skipped", str(result["skipped_steps"]))]

@@ -24,6 +24,7 @@ from gossamer.algorithms import Algorithm
 from gossamer.api import distribute
 from gossamer.comm.base import Communicator
 from gossamer.comm.faults import FaultInjector
+from gossamer.metrics import consensus_distance
 from gossamer.train import checkpoint as ckpt
 from gossamer.train import dcp
 from gossamer.train.agreement import check_agreement, describe_run
@@ -146,6 +147,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
 
     window_loss, window_count = 0.0, 0
     last: dict[str, Any] = {}
+    drift = 0.0  # the consensus distance at the last step, before finish()
     faults = FaultInjector(config.faults, comm.rank, comm.world_size)  # --fault, for tests
     for step in range(start, config.steps):
         done = step + 1
@@ -165,6 +167,9 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         faults.after_backward(done, params, time.perf_counter() - started)
         optimizer.step()
         if done == config.steps:
+            # how far the replicas drifted apart, before finish() makes them equal
+            if not runtime.replicas_identical:
+                drift = excluding(consensus_distance, optimizer)
             optimizer.finish()
         if math.isfinite(step_loss):
             window_loss, window_count = window_loss + step_loss, window_count + 1
@@ -182,6 +187,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                              counters(), examples_per_step, done)
             window_loss, window_count = 0.0, 0
             if comm.rank == 0:
+                if done == config.steps:
+                    last["consensus_distance_before_finish"] = drift
                 metrics.write(last)
         if config.checkpoint_every and (done % config.checkpoint_every == 0
                                         or done == config.steps):

@@ -337,6 +337,13 @@ def _cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def final_consensus(final: dict[str, Any]) -> float | None:
+    """The replicas' consensus distance at the last step, before the final exact average
+    (``average_at_end``) made it 0; older runs recorded only the one after it."""
+    before = _number(final, "consensus_distance_before_finish")
+    return before if before is not None else _number(final, "consensus_distance")
+
+
 def markdown_table(runs: Sequence[RunMetrics]) -> str:
     """A Markdown table of each run's final metrics, one row per run, numbers right-aligned."""
     rows = []
@@ -353,7 +360,7 @@ def markdown_table(runs: Sequence[RunMetrics]) -> str:
             "-" if nbytes is None else format_bytes(nbytes),
             _cell(syncs, ".0f"),
             _cell(_number(final, "wall_clock"), ".2f"),
-            _cell(_number(final, "consensus_distance"), ".2e"),
+            _cell(final_consensus(final), ".2e"),
             _cell(_number(final, "examples_per_second"), ".0f"),
         ])
     headers = [header for header, _ in _COLUMNS]
