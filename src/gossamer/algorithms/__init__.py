@@ -11,6 +11,7 @@ from gossamer.algorithms.compressed import (
     RandomKAllReduce,
     TopKAllReduce,
 )
+from gossamer.algorithms.demo import DeMo
 from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
@@ -24,15 +25,19 @@ from gossamer.algorithms.registry import (
     with_compression,
 )
 from gossamer.algorithms.sgp import OSGP, SGP
+from gossamer.algorithms.sparta import SPARTA
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, DGC,
              TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce, FP16AllReduce):
     register(_cls)
+for _cls in (SPARTA, DeMo):
+    register(_cls)
 
 __all__ = [
     "ADPSGD",
     "DGC",
+    "DeMo",
     "FP16AllReduce",
     "PowerSGDAllReduce",
     "QSGDAllReduce",
@@ -43,6 +48,7 @@ __all__ = [
     "LocalSGD",
     "OSGP",
     "SGP",
+    "SPARTA",
     "WAGMA",
     "Algorithm",
     "AllReduce",

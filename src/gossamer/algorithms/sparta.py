@@ -1,0 +1,177 @@
+"""SPARTA: sparse parameter averaging. After every optimizer step each worker averages a small
+random fraction of its parameters with the other workers.
+
+Every worker steps its own optimizer on its own data, as in local SGD; but instead of averaging
+the whole model every H steps, each step averages a fraction ``p`` of the parameters (default
+0.005, EXO Gym's ``p_sparta``): the same positions on every worker, all-reduced (mean) and
+written back. Only the selected values travel: an all-reduce of the k values chosen this step,
+all tensors of one dtype packed into one message, so a step sends about ``p`` of what a dense
+average would. After the last step an exact average of everything (``average_at_end``) gives
+one model.
+
+Which positions: EXO Gym's ``RandomIndexSelector`` draws a Bernoulli(``p``) mask per tensor
+from each process's global random state and broadcasts rank 0's mask before every tensor's
+all-reduce. Here the mask is drawn from a generator that every worker seeds alike, so the
+workers agree without the broadcast (no bytes, no extra message): at step ``s`` (0-based,
+optimizer steps taken) a CPU ``torch.Generator`` seeded with :func:`selection_seed` of
+``(seed, s)`` draws, for each trainable parameter in ``model.named_parameters()`` order,
+``torch.rand(numel)`` (float32) and selects the positions where it is below ``fraction``.
+``selector="partitioned"`` is EXO Gym's ``PartitionedIndexSelector``: each tensor's positions
+are split at random into ``P = max(1, min(ceil(1 / fraction), numel))`` disjoint parts, and step
+``s`` averages part ``s mod P`` of the partition of cycle ``s // P`` (its labels are
+``argsort(rand(numel)) mod P``, drawn from the generator seeded with the
+:func:`selection_seed` of ``(seed, cycle, i)`` for the i-th tensor): every position is
+averaged exactly once per cycle.
+
+Every trainable parameter takes part, also one without a gradient on this worker (EXO Gym skips
+those, which would let the workers' messages differ). Buffers (BatchNorm statistics) stay local
+until the final average. A worker whose gradient is non-finite under ``nonfinite="skip"`` skips
+its own optimizer step but still averages (the others wait for it); non-finite parameters are
+never sent (NonFiniteError).
+
+Reference: EXO Gym's ``SPARTAStrategy`` (github.com/exo-explore/gym,
+``exogym/strategy/sparta.py``), from "SPARTA: Sparse Parameter Averaging for Distributed
+Training" (EXO Labs, 2025).
+
+Example::
+
+    optimizer = gossamer.distribute(model, torch.optim.AdamW(model.parameters()),
+                                    SPARTA(fraction=0.005), comm)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from gossamer.algorithms.base import Algorithm, Runtime
+from gossamer.algorithms.nonfinite import all_finite
+from gossamer.checks import check_int
+from gossamer.comm.base import Communicator
+from gossamer.options import option
+
+#: the ways of choosing the positions of a step (see the module docstring)
+SELECTORS = ("random", "partitioned")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SPARTA(Algorithm):
+    """Sparse parameter averaging: after each step, average a random ``fraction`` of the
+    parameters (the same positions on every worker) over all workers.
+
+    Args:
+        fraction: p, the expected fraction of each tensor's elements averaged per step
+            (default 0.005, EXO Gym's). 1 averages everything after every step; 0 never
+            averages (independent workers until ``average_at_end``).
+        seed: seeds the positions' generator, the same on every worker (default 0).
+        selector: ``"random"`` (default): a fresh Bernoulli(p) mask each step;
+            ``"partitioned"``: disjoint random parts of about p of each tensor, one per step,
+            so that every element is averaged once every ``ceil(1 / p)`` steps.
+        average_at_end: exact average of all parameters and buffers after the last step
+            (default True).
+    """
+
+    name: ClassVar[str] = "sparta"
+
+    fraction: float = option(0.005, "p, the share of the parameters averaged after each step; "
+                             "higher: more bytes, less drift between replicas")
+    seed: int = option(0, "seeds the positions drawn, the same on every worker")
+    selector: str = option("random", "random: a Bernoulli(p) mask per step; partitioned: "
+                           "disjoint parts, each element once per ceil(1/p) steps")
+    average_at_end: bool = option(True, "all replicas equal after the last step")
+
+    def __post_init__(self) -> None:
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 <= fraction <= 1:  # NaN fails this too
+            raise ValueError(f"fraction: must be a number in [0, 1], got {fraction!r}")
+        check_int("seed", self.seed, 0)
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector: must be one of {', '.join(SELECTORS)}, "
+                             f"got {self.selector!r}")
+        if self.selector == "partitioned" and fraction == 0:
+            raise ValueError("fraction: the partitioned selector needs fraction > 0, got 0")
+
+    def bind(self, comm: Communicator, model: nn.Module,
+             optimizer: torch.optim.Optimizer) -> SPARTARuntime:
+        return SPARTARuntime(self, comm, model, optimizer)
+
+
+def selection_seed(*numbers: int) -> int:
+    """The seed of the positions' generator for ``numbers`` (the option ``seed``, then the
+    step, or the cycle and the tensor's index): the first 8 bytes of the BLAKE2b hash of
+    their decimal forms joined by "/", little-endian, so that distinct tuples give unrelated
+    streams on every platform."""
+    text = "/".join(str(int(n)) for n in numbers).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def select(config: SPARTA, step: int, sizes: list[int]) -> list[torch.Tensor]:
+    """The flat positions (int64, CPU) averaged at ``step`` in tensors of ``sizes`` elements,
+    the same on every worker (see the module docstring)."""
+    if config.selector == "random":
+        generator = torch.Generator().manual_seed(selection_seed(config.seed, step))
+        return [torch.nonzero(torch.rand(n, generator=generator) < config.fraction).flatten()
+                for n in sizes]
+    out = []
+    for index, n in enumerate(sizes):
+        parts = max(1, min(math.ceil(1 / config.fraction), n))
+        cycle, part = divmod(step, parts)  # a tensor with fewer parts has shorter cycles
+        generator = torch.Generator().manual_seed(selection_seed(config.seed, cycle, index))
+        labels = torch.argsort(torch.rand(n, generator=generator)) % parts
+        out.append(torch.nonzero(labels == part).flatten())
+    return out
+
+
+class SPARTARuntime(Runtime):
+    """One worker of SPARTA: its step counter (the positions follow from it and the seed)."""
+
+    def __init__(self, config: SPARTA, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(comm, model, optimizer)
+        self.config = config
+        # statistics
+        self.sparse_averages = 0  # steps whose selection held at least one element
+        self.values_averaged = 0  # elements averaged over all steps
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        params = [p for _, p in self.named_parameters]
+        positions = select(self.config, self.step, [p.numel() for p in params])
+        # one all-reduce per dtype and device: the selected values of every tensor, packed
+        kinds: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor,
+                                                               torch.Tensor]]] = {}
+        for p, index in zip(params, positions, strict=True):
+            if index.numel():
+                kinds.setdefault((p.dtype, p.device), []).append((p, index.to(p.device)))
+        if not kinds:
+            return  # every worker drew the same empty selection: nothing to send
+        for selected in kinds.values():
+            buffer = torch.cat([p.view(-1)[index] for p, index in selected])
+            if not all_finite([buffer]):  # checked before it is sent
+                raise self.nonfinite_error("parameters")
+            self.comm.all_reduce(buffer, op="mean")
+            offset = 0
+            for p, index in selected:
+                p.view(-1)[index] = buffer[offset:offset + index.numel()]
+                offset += index.numel()
+            self.values_averaged += offset
+        self.sparse_averages += 1
+
+    def finish(self) -> None:
+        if self.config.average_at_end:
+            self.average_parameters()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sparse_averages": self.sparse_averages,
+                "values_averaged": self.values_averaged}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.sparse_averages = int(state.get("sparse_averages", 0))
+        self.values_averaged = int(state.get("values_averaged", 0))
