@@ -17,7 +17,8 @@ over the receivers (column-stochastic), not only over the senders.
 What each method must satisfy:
 
 - AllReduce, SGP, Overlap SGP, D-PSGD, AD-PSGD, local SGD, QSR, GossipGraD, WAGMA with
-  ``tau = 0``: exactly, at any speeds.
+  ``tau = 0``, SPARTA (each step's partial average conserves the sum of every position it
+  draws, and leaves the others): exactly, at any speeds.
 - WAGMA with ``tau >= 1``: exactly when nobody is late (equal speeds). With a straggler, a
   group round is not one simultaneous collective: each member averages, when it gets there,
   with the newest models it holds (the module's docstring), so a member that averages later
@@ -43,6 +44,10 @@ What each method must satisfy:
   gradients.
 - fp16 (no memory): the sum of float16 gradients is rounded, at most ``(2n - 1) * 2^-11`` of
   the gradient per step (n values rounded, n - 1 additions); exact for the all-ones gradient.
+- DeMo steps with ``lr * sign(Q)``, not with the gradient: the replicas stay identical and
+  every element moves by a whole number of learning rates, at most one per step. With the
+  all-ones gradient every chunk's momentum is its DCT's first coefficient alone, so Q is
+  positive everywhere and the mean moves by exactly ``lr * steps``, as SGD's would.
 - QSGD without error feedback is unbiased but random: no exact invariant; the QSGD
   compressor is covered by the error-feedback case.
 """
@@ -67,9 +72,11 @@ from gossamer.algorithms import (
     OSGP,
     QSR,
     SGP,
+    SPARTA,
     WAGMA,
     Algorithm,
     AllReduce,
+    DeMo,
     FP16AllReduce,
     GossipGraD,
     LocalSGD,
@@ -90,8 +97,8 @@ FLOAT16 = 2.0**-11  # relative rounding of a float16 value
 # ---------------------------------------------------------------------------- the cases
 
 # kinds of expectation (see the module docstring)
-SGD, STALE, ADAMW, UNSENT, UNSENT_FP16, FP16_SUM = (
-    "sgd", "stale", "adamw", "unsent", "unsent-fp16", "fp16-sum")
+SGD, STALE, ADAMW, UNSENT, UNSENT_FP16, FP16_SUM, SIGNUM = (
+    "sgd", "stale", "adamw", "unsent", "unsent-fp16", "fp16-sum", "signum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,10 @@ CASES = [
     Case("dgc-fp32-values", DGC(ratio=0.1, fp16_values=False), UNSENT),
     Case("dgc", DGC(ratio=0.1), UNSENT_FP16),
     Case("fp16", FP16AllReduce(), FP16_SUM),
+    Case("sparta", SPARTA(fraction=0.1)),
+    Case("sparta-partitioned", SPARTA(fraction=0.25, selector="partitioned")),
+    Case("demo", DeMo(), SIGNUM),
+    Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]
 
 
@@ -283,6 +294,14 @@ def check(case: Case, outcomes: list[Outcome], steps: int, lr: float, kind: str,
         scale = (x0 - oracle).abs().max()
         assert error <= EXACT * scale, f"{label}: mean off the AdamW runs by {error:.3g}"
         return
+    if case.kind == SIGNUM:
+        for rank, outcome in enumerate(outcomes):
+            assert torch.equal(outcome.final, outcomes[0].final), f"{label}: rank {rank} apart"
+        lrs = moved / lr  # whole numbers of steps of lr, at most one per step
+        assert float((lrs - lrs.round()).abs().max()) <= 1e-6, f"{label}: not whole lr steps"
+        assert float(lrs.abs().max()) <= steps + 1e-6, f"{label}: more than lr per step"
+        if kind != "ones":
+            return
     if case.kind in (UNSENT, UNSENT_FP16):
         residual = sum(o.unsent for o in outcomes) / n
         moved = moved + lr * residual  # the residual is what the mean has still to move
