@@ -21,8 +21,9 @@ Everything else agrees within 5%.
 An averaging is what each runtime counts: exact averages of all (``synchronizations``: every
 step of AllReduce and the compressed methods, every period of local SGD, and the final or
 periodic averages of the others); AD-PSGD's pairwise ``averagings``; WAGMA's
-``group_averages``. SGP, Overlap SGP, D-PSGD and GossipGraD keep no count of their gossip
-rounds: for them the communicator's count of neighbour exchanges stands in.
+``group_averages``; SPARTA's ``sparse_averages`` (steps whose draw held a position; DeMo's
+steps each count as a synchronization). SGP, Overlap SGP, D-PSGD and GossipGraD keep no count
+of their gossip rounds: for them the communicator's count of neighbour exchanges stands in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gossamer.algorithms.adpsgd import ADPSGDRuntime
 from gossamer.algorithms.dpsgd import DPSGDRuntime
 from gossamer.algorithms.gossipgrad import GossipGraDRuntime
 from gossamer.algorithms.sgp import SGPRuntime
+from gossamer.algorithms.sparta import SPARTARuntime
 from gossamer.algorithms.wagma import WAGMARuntime
 from gossamer.comm import ComputeModel, SimWorld
 
@@ -115,6 +117,8 @@ def averagings(runtime: Any, comm: Any) -> int:
         return runtime.averagings
     if isinstance(runtime, WAGMARuntime):
         return runtime.group_averages + runtime.synchronizations
+    if isinstance(runtime, SPARTARuntime):  # partial averages, then the final exact one
+        return runtime.sparse_averages + runtime.synchronizations
     if isinstance(runtime, (SGPRuntime, DPSGDRuntime, GossipGraDRuntime)):
         return comm.stats.operations["exchange"] + runtime.synchronizations
     return runtime.synchronizations
