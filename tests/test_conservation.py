@@ -77,12 +77,14 @@ from gossamer.algorithms import (
     Algorithm,
     AllReduce,
     DeMo,
+    DiLoCo,
     FP16AllReduce,
     GossipGraD,
     LocalSGD,
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
+    StreamingDiLoCo,
     TopKAllReduce,
     available,
 )
@@ -122,6 +124,18 @@ CASES = [
     Case("wagma-tau0", WAGMA(tau=0)),
     Case("wagma-g2-no-global", WAGMA(group_size=2, allreduce_every=0), STALE),
     Case("localsgd", LocalSGD()),
+    # DiLoCo's outer step with lr 1 and no momentum is the average; its Nesterov outer
+    # step moves by more than the local progress, by design (the oracle holds it)
+    Case("diloco-plain-outer", DiLoCo(period=4, outer_lr=1.0, outer_momentum=0.0,
+                                      outer_nesterov=False)),
+    Case("diloco-groups-of-2", DiLoCo(period=3, group_size=2, outer_lr=1.0,
+                                      outer_momentum=0.0, outer_nesterov=False)),
+    # Streaming DiLoCo keeps the sum without overlap: each fragment's merge mixes a replica
+    # with the mean of all; with tau > 0 the global fragment misses the last tau steps, which
+    # the merge overwrites in part (the paper's trade: 1 - mixing of them per fragment)
+    Case("streaming-diloco-no-overlap", StreamingDiLoCo(
+        period=4, fragments=2, tau=0, mixing=0.5, precision="float32", outer_lr=1.0,
+        outer_momentum=0.0, outer_nesterov=False)),
     Case("qsr", QSR()),
     Case("local-adamw", LocalSGD(), ADAMW, optimizer="adamw"),
     Case("qsr-adamw", QSR(), ADAMW, optimizer="adamw"),

@@ -38,7 +38,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossamer
-from gossamer.algorithms import ADPSGD, OSGP, WAGMA, Algorithm, available, create
+from gossamer.algorithms import (
+    ADPSGD,
+    OSGP,
+    WAGMA,
+    Algorithm,
+    DiLoCo,
+    StreamingDiLoCo,
+    available,
+    create,
+)
 from gossamer.algorithms.adpsgd import ADPSGDRuntime
 from gossamer.algorithms.dpsgd import DPSGDRuntime
 from gossamer.algorithms.gossipgrad import GossipGraDRuntime
@@ -84,12 +93,18 @@ class Case:
 
 def _cases() -> list[Case]:
     """Every registered algorithm with its defaults, and the variants whose behaviour
-    differs: Overlap SGP with tau = 2, WAGMA synchronous (tau = 0) and in groups of 2."""
+    differs: Overlap SGP with tau = 2, WAGMA synchronous (tau = 0) and in groups of 2, DiLoCo
+    in groups and compressed, Streaming DiLoCo in groups."""
     cases = [Case(name, create(name)) for name in available()]
     cases += [
         Case("osgp-tau2", OSGP(tau=2)),
         Case("wagma-tau0", WAGMA(tau=0)),
         Case("wagma-g2-no-global", WAGMA(group_size=2, allreduce_every=0)),
+        # DiLoCo between groups of 2 that all-reduce gradients, and through a compressor
+        Case("diloco-groups-of-2", DiLoCo(period=4, group_size=2)),
+        Case("diloco-topk", DiLoCo(period=4, compression="topk:ratio=0.1")),
+        Case("streaming-diloco-groups-int8",
+             StreamingDiLoCo(period=8, fragments=2, tau=2, group_size=2, precision="int8")),
     ]
     return cases
 

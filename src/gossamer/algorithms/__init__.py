@@ -12,6 +12,7 @@ from gossamer.algorithms.compressed import (
     TopKAllReduce,
 )
 from gossamer.algorithms.demo import DeMo
+from gossamer.algorithms.diloco import DiLoCo
 from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
@@ -26,10 +27,12 @@ from gossamer.algorithms.registry import (
 )
 from gossamer.algorithms.sgp import OSGP, SGP
 from gossamer.algorithms.sparta import SPARTA
+from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, DGC,
-             TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce, FP16AllReduce):
+             TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce, FP16AllReduce,
+             DiLoCo, StreamingDiLoCo):
     register(_cls)
 for _cls in (SPARTA, DeMo):
     register(_cls)
@@ -37,6 +40,8 @@ for _cls in (SPARTA, DeMo):
 __all__ = [
     "ADPSGD",
     "DGC",
+    "DiLoCo",
+    "StreamingDiLoCo",
     "DeMo",
     "FP16AllReduce",
     "PowerSGDAllReduce",

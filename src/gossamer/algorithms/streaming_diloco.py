@@ -70,8 +70,9 @@ class StreamingDiLoCo(DiLoCo):
         tau: inner steps that a fragment's exchange overlaps (default 1); less than H / P.
         mixing: the paper's alpha: the local fragment becomes ``mixing * local + (1 - mixing)
             * global`` after its outer step (default 0.5).
-        precision: of the pseudo-gradients on the wire: ``float32``, ``bfloat16``, ``int8``
-            or ``int4`` (default ``int4``, the paper's 4 bits), with error feedback.
+        precision: of the pseudo-gradients on the wire: ``float32`` (unquantised: a float64
+            model's travel in float64), ``bfloat16``, ``int8`` or ``int4`` (default ``int4``,
+            the paper's 4 bits), with error feedback.
         (the outer optimizer, ``group_size``, ``average_at_end`` and the other options of
         :class:`DiLoCo`; the period is constant: ``alpha``, ``warmup_steps`` and
         ``compression`` are not taken.)
@@ -160,8 +161,11 @@ class ScatteredMean:
         n, me = comm.world_size, comm.rank
         self.numel = vector.numel()
         self.chunk = math.ceil(self.numel / n) if self.numel else 0
-        padded = torch.zeros(n * self.chunk, dtype=torch.float32, device=vector.device)
-        padded[: self.numel] = vector.float()
+        # unquantised, a float64 model's pseudo-gradients are averaged in float64
+        exact = codec.precision == "float32" and vector.dtype == torch.float64
+        dtype = torch.float64 if exact else torch.float32
+        padded = torch.zeros(n * self.chunk, dtype=dtype, device=vector.device)
+        padded[: self.numel] = vector
         padded += self._residual((key, "sent"), padded)
         parts = padded.view(n, self.chunk)
         payloads = [codec.encode(part) for part in parts]
@@ -268,7 +272,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         if not all_finite(tensors):
             raise self.nonfinite_error("parameters")
         deltas = self.outer.pseudo_gradients(indices)
-        vector = (torch.cat([d.reshape(-1).float() for d in deltas]) if deltas
+        vector = (torch.cat([d.reshape(-1) for d in deltas]) if deltas
                   else torch.zeros(0))
         self.in_flight = (fragment, ScatteredMean(self.across, vector, self.codec,
                                                   self.residuals, fragment))
@@ -293,7 +297,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
     @torch.no_grad()
     def finish(self) -> None:
         """Take in the exchange in flight; then, with ``average_at_end``, one outer step of the
-        whole model, in float32, after which every worker holds the global parameters (the
+        whole model, unquantised, after which every worker holds the global parameters (the
         replicas differ after any fragment's synchronisation: the other fragments, and the
         local share ``mixing``)."""
         if self.in_flight is not None:
@@ -303,7 +307,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
 
     @torch.no_grad()
     def average_parameters(self) -> None:
-        """An outer step of every fragment at once, exact (float32), mixing 0: every worker
+        """An outer step of every fragment at once, unquantised, mixing 0: every worker
         ends with the global parameters. Collective."""
         if self.in_flight is not None:
             self._perform(self.in_flight[0])

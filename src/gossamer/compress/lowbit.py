@@ -1,5 +1,7 @@
 """Low-precision wire formats for a dense float32 vector: float32, bfloat16, int8 and int4.
 
+``float32`` is the unquantised vector (a float64 one travels as it is).
+
 A :class:`LowBit` codec turns a float32 vector into the tensor that travels and back. The
 integer formats are symmetric and uniform: one float32 scale per vector, ``max |x| / q_max``
 (``q_max`` = 127 for int8, 7 for int4), and each element rounded to the nearest multiple of it
@@ -39,8 +41,8 @@ class LowBit:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """The payload of the 1-D float32 tensor ``x``."""
-        if self.precision == "float32":
-            return x.detach().float().clone()
+        if self.precision == "float32":  # unquantised; a float64 vector stays float64
+            return x.detach().clone() if x.dtype == torch.float64 else x.detach().float()
         if self.precision == "bfloat16":
             return x.detach().to(torch.bfloat16)
         q_max = _Q_MAX[self.precision]
@@ -58,7 +60,9 @@ class LowBit:
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """The float32 vector of ``numel`` elements that ``payload`` holds."""
-        if self.precision in ("float32", "bfloat16"):
+        if self.precision == "float32":
+            return payload.clone()
+        if self.precision == "bfloat16":
             return payload.float()
         scale = payload[:4].clone().view(torch.float32)
         data = payload[4:]

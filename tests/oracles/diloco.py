@@ -1,0 +1,165 @@
+"""Oracle: DiLoCo and Streaming DiLoCo, written from the papers' pseudo-code.
+
+DiLoCo, Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(2023, arXiv 2311.08105), Algorithm 1: for each outer step t, every worker i copies the global
+parameters, ``theta_i = theta^(t-1)``, takes H inner steps on its data, then
+
+    Delta^(t) = (1/k) sum_i (theta^(t-1) - theta_i)        (line 10)
+    theta^(t) = OuterOpt(theta^(t-1), Delta^(t))            (line 12)
+
+The outer optimizer is SGD with Nesterov momentum as torch's ``SGD(nesterov=True)`` has it
+(the paper's choice, lr 0.7, momentum 0.9): ``b = mu b + Delta`` (b = Delta the first time),
+``theta = theta - lr (Delta + mu b)``; without Nesterov ``theta = theta - lr b``. The inner
+optimizers' states stay local. The round's length H comes from a ``PeriodFn`` as in
+:mod:`oracles.local_sgd` (a constant H, or the Quadratic Synchronization Rule), the last
+round cut to end at the last step. With ``group_size`` G, the workers of a group (consecutive
+ranks) average their gradients before each inner step.
+
+Streaming DiLoCo, Douillard et al., "Streaming DiLoCo with overlapping communication" (2025,
+arXiv 2501.18512), Algorithm 2, in float32 on the wire: the parameters are split into
+fragments (lists of flat indices); in slot s (H / P steps long) fragment ``s mod P`` is
+synchronised: its pseudo-gradient is taken at the end of the slot's step ``H / P - 1 - tau``
+(0-based within the slot), averaged, and at the end of the slot's last step the outer
+optimizer steps that fragment's global copy, and each worker's fragment becomes ``alpha
+theta_i + (1 - alpha) theta^global`` (Algorithm 2's merge, alpha the mixing factor). At the
+end, a final outer step of the whole model with alpha 0 (every worker ends at the global
+parameters). Everything here is float64 and sequential; nothing of gossamer is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from oracles.local_sgd import GradFn, PeriodFn, Run
+
+
+def _mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(values)).mean(dim=0)
+
+
+class _Inner:
+    """Each worker's inner optimizer: SGD with momentum, or AdamW (torch's formulas)."""
+
+    def __init__(self, n: int, like: torch.Tensor, optimizer: str, momentum: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        self.optimizer, self.momentum, self.betas = optimizer, momentum, betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.first = [torch.zeros_like(like) for _ in range(n)]
+        self.second = [torch.zeros_like(like) for _ in range(n)]
+
+    def step(self, i: int, k: int, x: torch.Tensor, g: torch.Tensor, lr: float) -> torch.Tensor:
+        if self.optimizer == "sgd":
+            self.first[i] = self.momentum * self.first[i] + g
+            return x - lr * self.first[i]
+        b1, b2 = self.betas
+        x = x * (1 - lr * self.weight_decay)
+        self.first[i] = b1 * self.first[i] + (1 - b1) * g
+        self.second[i] = b2 * self.second[i] + (1 - b2) * g * g
+        m_hat = self.first[i] / (1 - b1 ** (k + 1))
+        v_hat = self.second[i] / (1 - b2 ** (k + 1))
+        return x - lr * m_hat / (v_hat.sqrt() + self.eps)
+
+
+class _OuterSGD:
+    """torch's SGD on the global parameters, one momentum buffer per element (each fragment
+    is made of whole tensors, so a buffer starts when its tensor's first outer step does)."""
+
+    def __init__(self, like: torch.Tensor, lr: float, momentum: float, nesterov: bool) -> None:
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.buffer = torch.zeros_like(like)
+        self.started = torch.zeros(like.shape, dtype=torch.bool)
+
+    def step(self, theta: torch.Tensor, delta: torch.Tensor, index: torch.Tensor) -> None:
+        """``theta[index] = OuterOpt(theta[index], delta)``, in place."""
+        if self.momentum:
+            b = torch.where(self.started[index], self.momentum * self.buffer[index] + delta,
+                            delta)
+            self.buffer[index], self.started[index] = b, True
+            d = delta + self.momentum * b if self.nesterov else b
+        else:
+            d = delta
+        theta[index] = theta[index] - self.lr * d
+
+
+def _inner_steps(x: list[torch.Tensor], k: int, grad: GradFn, lr: float, inner: _Inner,
+                 group_size: int) -> list[torch.Tensor]:
+    n = len(x)
+    grads = [grad(i, k, x[i]) for i in range(n)]
+    if group_size > 1:  # the members of a group all-reduce their gradients
+        grads = [_mean(grads[(i // group_size) * group_size:(i // group_size + 1) * group_size])
+                 for i in range(n)]
+    return [inner.step(i, k, x[i], grads[i], lr) for i in range(n)]
+
+
+def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period: PeriodFn, *,
+           optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
+           outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+           group_size: int = 1) -> Run:
+    """DiLoCo (Algorithm 1) on ``n`` workers from ``x0``, ``len(lrs)`` inner steps."""
+    steps = len(lrs)
+    theta = x0.clone()
+    x = [x0.clone() for _ in range(n)]
+    inner = _Inner(n, x0, optimizer, momentum, weight_decay=weight_decay)
+    outer = _OuterSGD(x0, outer_lr, outer_momentum, nesterov)
+    everything = torch.arange(x0.numel())
+    run, end, previous = Run(), -1, None
+    for k in range(steps):
+        lr = lrs[k]
+        if k > end:
+            h = min(period(k, lr, previous), steps - k)
+            previous = lr
+            run.periods.append((k, h))
+            end = k + h - 1
+        x = _inner_steps(x, k, grad, lr, inner, group_size)
+        if k == end:
+            delta = _mean([theta - xi for xi in x])  # line 10
+            outer.step(theta, delta, everything)  # line 12
+            x = [theta.clone() for _ in range(n)]
+            run.syncs.append(k)
+        run.trajectory.append([t.clone() for t in x])
+    return run
+
+
+def streaming_diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float],
+                     period: int, fragments: Sequence[Sequence[int]], tau: int, mixing: float,
+                     *, optimizer: str = "sgd", momentum: float = 0.0, outer_lr: float = 0.7,
+                     outer_momentum: float = 0.9, nesterov: bool = True) -> Run:
+    """Streaming DiLoCo (Algorithm 2, float32 exchange modelled exactly) on ``n`` workers;
+    ``fragments`` lists each fragment's flat indices into ``x0``. The final outer step of
+    the whole model is recorded as the last entry of ``syncs`` (-1)."""
+    steps, count = len(lrs), len(fragments)
+    slot = period // count
+    theta = x0.clone()
+    x = [x0.clone() for _ in range(n)]
+    inner = _Inner(n, x0, optimizer, momentum)
+    outer = _OuterSGD(x0, outer_lr, outer_momentum, nesterov)
+    indices = [torch.tensor(list(f), dtype=torch.long) for f in fragments]
+    run = Run()
+    pending: tuple[int, torch.Tensor] | None = None
+    for k in range(steps):
+        x = _inner_steps(x, k, grad, lrs[k], inner, 1)
+        s, position = divmod(k, slot)
+        p = s % count
+        if position == slot - 1 - tau:  # the fragment's pseudo-gradient, sent now
+            pending = (p, _mean([theta[indices[p]] - xi[indices[p]] for xi in x]))
+        if position == slot - 1:  # received: the outer step and the merge
+            assert pending is not None and pending[0] == p
+            outer.step(theta, pending[1], indices[p])
+            for xi in x:
+                xi[indices[p]] = mixing * xi[indices[p]] + (1 - mixing) * theta[indices[p]]
+            pending = None
+            run.syncs.append(k)
+        run.trajectory.append([t.clone() for t in x])
+    if pending is not None:  # the last exchange, taken in at the end
+        p, delta = pending
+        outer.step(theta, delta, indices[p])
+        for xi in x:
+            xi[indices[p]] = mixing * xi[indices[p]] + (1 - mixing) * theta[indices[p]]
+    everything = torch.arange(x0.numel())
+    outer.step(theta, _mean([theta - xi for xi in x]), everything)
+    run.syncs.append(-1)
+    run.trajectory.append([theta.clone() for _ in range(n)])
+    return run
