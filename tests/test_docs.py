@@ -8,6 +8,7 @@ valid Python. Every other block runs in a fresh process, in an empty directory.
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,319 @@ def test_every_python_example_runs(where, code, tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, f"{where}:\n{done.stderr[-3000:]}"
+
+
+# --- Shell examples ---------------------------------------------------------------------------
+#
+# Every `gossamer ...` command of a ```bash, ```sh, ```console or ```text block (also under
+# torchrun, srun, mpirun and `gossamer launch ... --`) is checked as the command line checks it,
+# up to the point where training would start: `gossamer.cli.main` runs with the training (and
+# compare's runs, and launch's workers) replaced by the checks made before any worker starts.
+# The outputs that a console block shows are those of the command run for real (slow tier),
+# unless the block says why they cannot be, ``<!-- output: not checked: why -->``.
+
+DATA = ROOT.parent / "shared" / "data"
+SHELL = re.compile(r"(?:<!-- output: not checked: (?P<why>[^>]*) -->\n)?(?P<indent>[ \t]*)"
+                   r"```(?P<lang>bash|sh|console|text)\n(?P<body>.*?)^(?P=indent)```",
+                   re.S | re.M)
+LAUNCHERS = ("torchrun", "srun", "mpirun")
+# Files that a command names and its page describes in words (relative to where it runs).
+FILES_NAMED = {"bad.yaml": "batchsize: 32\n"}
+# Commands that cannot be checked here, with the reason.
+NOT_CHECKED = {
+    "gossamer launch --cleanup":
+        "removes network namespaces: needs root; its arguments are checked by running it",
+    "gossamer launch --nproc 2 --emulate bandwidth=1gbit -- --steps 100":
+        "the error shown is that of an unprivileged user: emulation needs root",
+    "gossamer launch --nproc 2 --emulate delay=1ms -- --steps 100":
+        "the error shown is that of a kernel without netem: emulation needs root",
+}
+
+
+# Commands that do not do what their page says, for a reason outside the pages: not run.
+REPORTED = {
+    "gossamer train --sim 8 --steps 100 --algorithm wagma --straggler 3:4 --quiet":
+        "reported: WAGMA with a straggler deadlocks in the simulator (rank 3 waits in a group "
+        "exchange for rank 5, which waits in an all_reduce for rank 3; every rank times out "
+        "after 300 s virtual); its page shows no output for it",
+}
+
+
+class Command:
+    """One command of a shell block: where it is, its words, and the output lines shown."""
+
+    def __init__(self, where: str, line: str, output: list[str]):
+        self.where, self.line, self.output = where, line, output
+        words = shlex.split(line, comments=True)
+        self.words = words[:words.index("|")] if "|" in words else words
+        self.key = " ".join(self.words)  # the command without its comment and pipe
+        self.argv, self.world, self.launched = None, None, False
+        w = self.words
+        if w[:1] == ["gossamer"]:
+            self.argv = w[1:]
+        elif "-m" in w and w[w.index("-m") + 1:w.index("-m") + 2] == ["gossamer"]:
+            self.argv = w[w.index("-m") + 2:]
+            self.launched = w[0] in LAUNCHERS
+            self.world = _world_size(w)
+
+    def error(self) -> str | None:
+        """The error line that the page shows right after the command, if any."""
+        return next((x for x in self.output[:1] if re.match(r"gossamer \w+: error: ", x)), None)
+
+
+def _world_size(words: list[str]) -> int | None:
+    def flag(*names: str) -> int | None:
+        for name in names:
+            if name in words:
+                return int(words[words.index(name) + 1])
+        return None
+
+    if words[0] == "torchrun":
+        return (flag("--nnodes") or 1) * (flag("--nproc-per-node") or 1)
+    return flag("-np")  # mpirun; srun: from the batch script's settings, not checked here
+
+
+def _join(lines: list[str]) -> list[tuple[int, str]]:
+    """``(index, line)`` with ``\\`` continuations joined."""
+    joined, i = [], 0
+    while i < len(lines):
+        start, line = i, lines[i]
+        while line.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            line = line[:-1].rstrip() + " " + lines[i].strip()
+        joined.append((start, line))
+        i += 1
+    return joined
+
+
+def _shell_blocks() -> list[tuple[str, str, list[Command], str | None, str | None]]:
+    """``(where, lang, commands, why its output is not checked, the Python block right before
+    it)`` for every shell block."""
+    found = []
+    for path in FILES:
+        text = path.read_text()
+        for match in SHELL.finditer(text):
+            first = text[:match.start("body")].count("\n") + 1
+            page, where = path.relative_to(ROOT), f"{path.relative_to(ROOT)}:{first - 1}"
+            lines = [x[len(match["indent"]):] for x in match["body"].splitlines()]
+            commands: list[Command] = []
+            prompt = match["lang"] == "console" or any(x.startswith("$ ") for x in lines)
+            for i, line in _join(lines):
+                if prompt and line.startswith("$ "):
+                    commands.append(Command(f"{page}:{first + i}", line[2:].strip(), []))
+                elif prompt and commands:
+                    commands[-1].output.append(line)
+                elif not prompt and line.strip() and not line.lstrip().startswith("#"):
+                    commands.append(Command(f"{page}:{first + i}", line.strip(), []))
+            script = next((m["code"] for m in BLOCK.finditer(text, 0, match.start())
+                           if not text[m.end():match.start()].strip()), None)
+            found.append((where, match["lang"], commands, match["why"], script))
+    return found
+
+
+SHELL_BLOCKS = _shell_blocks()
+GOSSAMER = [c for _, _, cs, _, _ in SHELL_BLOCKS for c in cs if c.argv is not None]
+
+
+def _real_paths(argv: list[str]) -> list[str]:
+    """``path/to/NAME`` -> the shared data's NAME where it exists."""
+    def real(word: str) -> str:
+        match = re.fullmatch(r"(?i)path/to/(\S+)", word)
+        if match and (DATA / match[1]).exists():
+            return str(DATA / match[1])
+        return word
+
+    return [real(word) for word in argv]
+
+
+def _workspace(where: Path) -> Path:
+    """A fresh directory to run a page's commands in: the recipes and the examples at hand, and
+    the files that the pages name."""
+    (where / "recipes").symlink_to(ROOT / "recipes")
+    for example in (ROOT / "docs" / "examples").glob("*.py"):
+        (where / example.name).write_text(example.read_text())
+    for name, text in FILES_NAMED.items():
+        (where / name).write_text(text)
+    return where
+
+
+class _Checked(Exception):  # noqa: N818 - not an error: the command got as far as training
+    pass
+
+
+def _check_run(config, world_size: int | None) -> None:
+    """What gossamer.train.run.run_training checks before any worker starts."""
+    from gossamer.train.run import check_shards, prepare
+
+    if config.data_path and not Path(config.data_path).exists():
+        config.check_mode(simulated=config.sim > 0)  # no data here: the settings only
+        return
+    dataset = prepare(config)
+    workers = config.sim or world_size
+    if workers:
+        config.algorithm.resolve(workers)
+        check_shards(config, dataset, workers)
+
+
+def _dry_run(command: Command, monkeypatch, capsys) -> tuple[int | None, str]:
+    """Run ``command`` through ``gossamer.cli.main`` up to where training would start: the exit
+    status (None: it got there) and what it wrote to stderr."""
+    import gossamer.launch.cli as launch_cli
+    import gossamer.train.compare as compare
+    import gossamer.train.run as run
+    from gossamer.cli import main
+
+    world = [command.world]
+    launch = launch_cli.run
+
+    def training(config):
+        _check_run(config, world[0])
+        raise _Checked
+
+    def comparing(algorithms, base, out_dir):
+        for label, algorithm in compare.parse_algorithms(algorithms):
+            _check_run(base.replace(algorithm=algorithm, run_dir=f"{out_dir}/{label}",
+                                    resume=False, quiet=True), None)
+        raise _Checked
+
+    def launching(args):
+        train_args = list(args.train_args)
+        train_args = train_args[1:] if train_args[:1] == ["--"] else train_args
+        if args.nproc is None or args.nproc < 1:
+            return launch(args)  # the launcher's own error
+        world[0] = args.nproc
+        monkeypatch.setattr(run, "launched_by_launcher", lambda: True)
+        status = main(["train", *train_args])
+        raise AssertionError(f"train arguments of launch: exit {status}")
+
+    monkeypatch.setattr(run, "run_training", training)
+    monkeypatch.setattr(run, "launched_by_launcher", lambda: command.launched)
+    monkeypatch.setattr(compare, "run_compare", comparing)
+    monkeypatch.setattr(launch_cli, "run", launching)
+    capsys.readouterr()
+    try:
+        status = main(_real_paths(command.argv))
+    except _Checked:
+        status = None
+    except SystemExit as stop:  # argparse: --help, --version or a bad argument
+        status = stop.code or None
+    return status, capsys.readouterr().err
+
+
+def test_the_docs_have_shell_examples():
+    assert len(GOSSAMER) >= 60
+    assert {c.argv[0] for c in GOSSAMER if c.argv} >= {
+        "train", "compare", "plot", "topology", "launch", "algorithms"}
+    assert {*NOT_CHECKED, *REPORTED} <= {c.key for c in GOSSAMER}, "an allow-listed command is gone"
+
+
+@pytest.mark.parametrize("command", GOSSAMER, ids=[c.where for c in GOSSAMER])
+def test_every_gossamer_command_is_valid(command, tmp_path, monkeypatch, capsys):
+    if command.key in NOT_CHECKED:
+        pytest.skip(NOT_CHECKED[command.key])
+    monkeypatch.chdir(_workspace(tmp_path))
+    if command.argv[:1] not in (["train"], ["compare"], ["launch"]):
+        from gossamer.cli import build_parser
+
+        build_parser().parse_args(command.argv)  # parsed only: the slow tier runs some
+        return
+    status, err = _dry_run(command, monkeypatch, capsys)
+    shown = command.error()
+    if shown is None:
+        assert status is None, f"{command.where}: {command.line}\n{err}"
+    else:
+        assert status, f"{command.where}: {command.line} does not fail; the page says {shown}"
+        assert _matches(shown, err.strip().splitlines()), f"{command.where}: {err}"
+
+
+def test_every_resume_follows_a_run_that_writes_checkpoints():
+    """A ``--resume`` example comes after (in the same page) the run it continues: one with
+    the same run directory that writes checkpoints."""
+    from gossamer.cli import build_parser
+    from gossamer.train.config import config_from_args
+
+    runs: dict[str, list] = {}
+    resumed = 0
+    for command in GOSSAMER:
+        if command.argv[:1] != ["train"] or command.error():
+            continue
+        page = command.where.split(":")[0]
+        settings = config_from_args(build_parser().parse_args(_real_paths(command.argv)))
+        if settings.resume:
+            resumed += 1
+            assert any(c.run_dir == settings.run_dir and c.checkpoint_every
+                       for c in runs.get(page, [])), \
+                f"{command.where}: {command.line} continues no run of the page with checkpoints"
+        runs.setdefault(page, []).append(settings)
+    assert resumed >= 3
+
+
+def _matches(shown: str, lines: list[str]) -> bool:
+    """Whether a line shown on a page is one of ``lines``: whitespace runs count as one space;
+    ``...`` (or ``[...]``) stands for any text."""
+    def squash(text: str) -> str:
+        return " ".join(text.split())
+
+    parts = re.split(r"\[\.\.\.\]|\.\.\.", squash(shown))
+    pattern = re.compile(r".*?".join(re.escape(p) for p in parts)
+                         + (r".*" if len(parts) > 1 else ""))
+    return any(pattern.fullmatch(squash(line)) for line in lines)
+
+
+# --- Printed outputs (slow tier) --------------------------------------------------------------
+
+SIMULATED = (["train"], ["compare"], ["topology"], ["algorithms"])
+
+
+def _runs_here(command: Command, script: str | None) -> bool:
+    """Whether the command's output can be reproduced here, exactly: gossamer in the simulator
+    on the embedded data set, or a Python script or one-liner of the page."""
+    if command.argv is not None:
+        return (not command.launched and command.world is None
+                and command.argv[:1] in SIMULATED and "--data-path" not in command.argv)
+    if command.words[:2] == ["python", "-c"]:
+        return True
+    return (command.words[:1] == ["python"] and len(command.words) == 2
+            and command.words[1].endswith(".py") and script is not None)
+
+
+CONSOLES = [(where, commands, why, script) for where, lang, commands, why, script
+            in SHELL_BLOCKS if any(c.output for c in commands)]
+CHECKED = [(where, commands, script) for where, commands, why, script in CONSOLES
+           if why is None]
+
+
+def test_every_printed_output_is_checked_or_says_why_not():
+    for where, commands, why, script in CONSOLES:
+        if why is None:
+            assert all(_runs_here(c, script) for c in commands), (
+                f"{where}: its output cannot be reproduced here; say why before the block: "
+                "<!-- output: not checked: why -->")
+        else:
+            assert len(why.strip()) > 10, f"{where}: say why its output is not checked"
+    assert len(CHECKED) >= 12
+    assert len(CONSOLES) - len(CHECKED) <= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where, commands, script", CHECKED, ids=[w for w, _, _ in CHECKED])
+def test_every_printed_output_is_what_the_command_prints(where, commands, script, tmp_path):
+    _workspace(tmp_path)
+    for command in commands:
+        if command.key in REPORTED:
+            assert not command.output, f"{command.where}: shows an output it does not print"
+            continue
+        if command.argv is not None:
+            argv = [sys.executable, "-m", "gossamer", *command.argv]
+        else:
+            argv = [sys.executable, *command.words[1:]]
+            if command.words[1].endswith(".py"):
+                (tmp_path / command.words[1]).write_text(script)
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        printed = (done.stdout + done.stderr).splitlines()
+        fails = any(re.match(r"gossamer \w+: ", x) for x in command.output)
+        if not fails:  # a failure shows the command's message: "gossamer train: ..."
+            assert done.returncode == 0, f"{command.where}: {command.line}\n{done.stderr}"
+        missing = [x for x in command.output if x.strip() and not _matches(x, printed)]
+        assert not missing, (f"{command.where}: {command.line}\nnot printed: {missing}\n"
+                             "printed:\n" + "\n".join(printed[-40:]))
