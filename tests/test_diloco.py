@@ -99,9 +99,10 @@ DILOCO_CASES = {
     "inner AdamW (the paper's), H 5": (
         DiLoCo(period=5), local_oracle.constant_period(5),
         {"optimizer": "adamw", "weight_decay": 0.01}),
-    "the period from the QSR rule and the inner lr": (
+    "the period from the QSR rule and the inner lr, after a synchronous warm-up": (
         DiLoCo(period=2, alpha=ALPHA, warmup_steps=4),
-        local_oracle.qsr_period(2, ALPHA, warmup_steps=4), {"momentum": 0.9}),
+        local_oracle.qsr_period(2, ALPHA, warmup_steps=4),
+        {"momentum": 0.9, "warmup_steps": 4}),
     "groups of 2 that all-reduce gradients": (
         DiLoCo(period=4, group_size=2), local_oracle.constant_period(4),
         {"momentum": 0.9, "group_size": 2}),
@@ -119,7 +120,8 @@ def test_diloco_matches_oracle_step_by_step(case):
 
 
 def test_qsr_case_changes_the_period():
-    run = oracle.diloco(X0, N, _grad, LRS, local_oracle.qsr_period(2, ALPHA, warmup_steps=4))
+    run = oracle.diloco(X0, N, _grad, LRS, local_oracle.qsr_period(2, ALPHA, warmup_steps=4),
+                        warmup_steps=4)
     assert len({h for s, h in run.periods if s >= 4}) >= 3
     assert run.syncs[-1] == STEPS - 1
 
@@ -135,6 +137,10 @@ STREAMING_CASES = {
     "1 fragment, tau 2, alpha 0.3": (
         StreamingDiLoCo(period=5, fragments=1, tau=2, mixing=0.3, precision="float32"),
         5, [[0, 1, 2, 3]], 2, 0.3),
+    "after a synchronous warm-up of 5 steps": (
+        StreamingDiLoCo(period=4, fragments=2, tau=1, mixing=0.5, precision="float32",
+                        warmup_steps=5),
+        4, [[0, 1, 2], [3]], 1, 0.5),
 }
 
 
@@ -143,7 +149,7 @@ def test_streaming_diloco_matches_oracle_step_by_step(case):
     algorithm, period, fragments, tau, mixing = STREAMING_CASES[case]
     library = _library(algorithm, momentum=0.9)
     expected = oracle.streaming_diloco(X0, N, _grad, LRS, period, fragments, tau, mixing,
-                                       momentum=0.9)
+                                       momentum=0.9, warmup_steps=algorithm.warmup_steps)
     _assert_match(library, expected)
     assert len(expected.syncs) >= 8
 
@@ -340,6 +346,7 @@ def test_bad_diloco_options_name_the_argument(kwargs, name):
     ({"precision": "int2"}, "precision"),
     ({"pattern": "random"}, "pattern"),
     ({"alpha": 0.1}, "alpha"),
+    ({"warmup_period": 2}, "warmup_period"),
     ({"compression": "topk"}, "compression"),
 ])
 def test_bad_streaming_options_name_the_argument(kwargs, name):

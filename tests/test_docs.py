@@ -82,12 +82,7 @@ NOT_CHECKED = {
 
 
 # Commands that do not do what their page says, for a reason outside the pages: not run.
-REPORTED = {
-    "gossamer train --sim 8 --steps 100 --algorithm wagma --straggler 3:4 --quiet":
-        "reported: WAGMA with a straggler deadlocks in the simulator (rank 3 waits in a group "
-        "exchange for rank 5, which waits in an all_reduce for rank 3; every rank times out "
-        "after 300 s virtual); its page shows no output for it",
-}
+REPORTED: dict[str, str] = {}
 
 
 class Command:

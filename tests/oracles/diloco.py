@@ -23,7 +23,13 @@ synchronised: its pseudo-gradient is taken at the end of the slot's step ``H / P
 optimizer steps that fragment's global copy, and each worker's fragment becomes ``alpha
 theta_i + (1 - alpha) theta^global`` (Algorithm 2's merge, alpha the mixing factor). At the
 end, a final outer step of the whole model with alpha 0 (every worker ends at the global
-parameters). Everything here is float64 and sequential; nothing of gossamer is used.
+parameters).
+
+The warm-up (the library's, not the papers'): the paper's DiLoCo starts from a model trained
+synchronously; here the rounds that start before ``warmup_steps`` (one step long, in both
+methods) end with a plain exact average of the replicas, which also becomes the global copy,
+and the outer optimizer starts after them. Everything here is float64 and sequential; nothing
+of gossamer is used.
 """
 
 from __future__ import annotations
@@ -97,8 +103,9 @@ def _inner_steps(x: list[torch.Tensor], k: int, grad: GradFn, lr: float, inner: 
 def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period: PeriodFn, *,
            optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
            outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-           group_size: int = 1) -> Run:
-    """DiLoCo (Algorithm 1) on ``n`` workers from ``x0``, ``len(lrs)`` inner steps."""
+           group_size: int = 1, warmup_steps: int = 0) -> Run:
+    """DiLoCo (Algorithm 1) on ``n`` workers from ``x0``, ``len(lrs)`` inner steps; a round
+    that starts before ``warmup_steps`` ends with a plain average (synchronous training)."""
     steps = len(lrs)
     theta = x0.clone()
     x = [x0.clone() for _ in range(n)]
@@ -114,7 +121,11 @@ def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period:
             run.periods.append((k, h))
             end = k + h - 1
         x = _inner_steps(x, k, grad, lr, inner, group_size)
-        if k == end:
+        if k == end and run.periods[-1][0] < warmup_steps:
+            theta = _mean(x)
+            x = [theta.clone() for _ in range(n)]
+            run.syncs.append(k)
+        elif k == end:
             delta = _mean([theta - xi for xi in x])  # line 10
             outer.step(theta, delta, everything)  # line 12
             x = [theta.clone() for _ in range(n)]
@@ -126,7 +137,8 @@ def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period:
 def streaming_diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float],
                      period: int, fragments: Sequence[Sequence[int]], tau: int, mixing: float,
                      *, optimizer: str = "sgd", momentum: float = 0.0, outer_lr: float = 0.7,
-                     outer_momentum: float = 0.9, nesterov: bool = True) -> Run:
+                     outer_momentum: float = 0.9, nesterov: bool = True,
+                     warmup_steps: int = 0) -> Run:
     """Streaming DiLoCo (Algorithm 2, float32 exchange modelled exactly) on ``n`` workers;
     ``fragments`` lists each fragment's flat indices into ``x0``. The final outer step of
     the whole model is recorded as the last entry of ``syncs`` (-1)."""
@@ -141,7 +153,13 @@ def streaming_diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float
     pending: tuple[int, torch.Tensor] | None = None
     for k in range(steps):
         x = _inner_steps(x, k, grad, lrs[k], inner, 1)
-        s, position = divmod(k, slot)
+        if k < warmup_steps:  # synchronous: a plain average after every step
+            theta = _mean(x)
+            x = [theta.clone() for _ in range(n)]
+            run.syncs.append(k)
+            run.trajectory.append([t.clone() for t in x])
+            continue
+        s, position = divmod(k - warmup_steps, slot)
         p = s % count
         if position == slot - 1 - tau:  # the fragment's pseudo-gradient, sent now
             pending = (p, _mean([theta[indices[p]] - xi[indices[p]] for xi in x]))

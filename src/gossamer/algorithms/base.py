@@ -167,8 +167,14 @@ class Runtime:
     def before_eval(self) -> None:
         """Called (on every worker) before the training loop evaluates."""
 
+    def settle(self) -> None:
+        """Take in every message in flight, so that nothing is lost and step-indexed
+        collectives may follow (an asynchronous method's rounds stop). Collective where the
+        method needs it; idempotent. ``finish()`` calls it first."""
+
     def finish(self) -> None:
         """Called (on every worker) after the last step: settle what is in flight."""
+        self.settle()
 
     @torch.no_grad()
     def average_parameters(self) -> None:

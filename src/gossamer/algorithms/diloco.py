@@ -97,8 +97,12 @@ class DiLoCo(QSR):
         group_size: workers per group (default 1: every worker is its own replica); the
             members of a group all-reduce gradients every step (``bucket_mb`` per collective).
         bucket_mb: MiB per gradient all-reduce inside a group (default 25).
+        warmup_steps: rounds that start before this step last ``warmup_period`` steps (1)
+            and end with a plain exact average, no outer step: synchronous training while the
+            learning rate warms up, as the paper's DiLoCo starts from a model trained
+            synchronously (default 0: none).
         (and the options of :class:`QSR` and :class:`LocalSGD`: ``power``, ``warmup``,
-        ``warmup_steps``, ``warmup_period``, ``average_optimizer_state`` (the inner state,
+        ``warmup_period``, ``average_optimizer_state`` (the inner state,
         averaged at each outer step), ``average_buffers``, ``reestimate_batchnorm``,
         ``average_at_end``: an outer step after the last step if it did not end a round.)
     """
@@ -123,6 +127,9 @@ class DiLoCo(QSR):
     group_size: int = option(1, "workers per group: they all-reduce gradients every step, and "
                              "DiLoCo runs between the groups")
     bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a group")
+    warmup_steps: int = option(0, "rounds starting before this step last warmup_period steps "
+                               "and end with a plain average (synchronous warm-up), no outer "
+                               "step")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -219,6 +226,14 @@ class OuterState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    @torch.no_grad()
+    def warm_up(self, comm: Communicator) -> None:
+        """A warm-up round's end: the replicas averaged exactly, the global parameters set to
+        the average; the outer optimizer does not step."""
+        apply_flat(self.params, lambda buffer: comm.all_reduce(buffer, op="mean"))
+        for p, g in zip(self.params, self.global_params, strict=True):
+            g.copy_(p)
+
     def state_dict(self) -> dict[str, Any]:
         return {"global": [p.detach().clone() for p in self.global_params],
                 "outer": self.optimizer.state_dict()}
@@ -276,12 +291,15 @@ class DiLoCoRuntime(LocalSGDRuntime):
         continue every worker from them."""
         if not all_finite(self.trained):
             raise self.nonfinite_error("parameters")
-        indices = list(range(len(self.trained)))
-        deltas = self.outer.pseudo_gradients(indices)
-        self.reduce(deltas)
-        self.outer.step(indices, deltas)
-        for p, g in zip(self.trained, self.outer.global_params, strict=True):
-            p.copy_(g)
+        if self.periods and self.periods[-1][0] < self.config.warmup_steps:
+            self.outer.warm_up(self.across)  # a plain average: synchronous training
+        else:
+            indices = list(range(len(self.trained)))
+            deltas = self.outer.pseudo_gradients(indices)
+            self.reduce(deltas)
+            self.outer.step(indices, deltas)
+            for p, g in zip(self.trained, self.outer.global_params, strict=True):
+                p.copy_(g)
         extra = []
         if self.config.average_buffers:
             extra += [b for b in self.model.buffers() if torch.is_floating_point(b)]

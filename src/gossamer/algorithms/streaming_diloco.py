@@ -73,8 +73,11 @@ class StreamingDiLoCo(DiLoCo):
         precision: of the pseudo-gradients on the wire: ``float32`` (unquantised: a float64
             model's travel in float64), ``bfloat16``, ``int8`` or ``int4`` (default ``int4``,
             the paper's 4 bits), with error feedback.
+        warmup_steps: a plain exact average after each step before this one (synchronous
+            training while the learning rate warms up); the fragments' schedule starts
+            after it (default 0).
         (the outer optimizer, ``group_size``, ``average_at_end`` and the other options of
-        :class:`DiLoCo`; the period is constant: ``alpha``, ``warmup_steps`` and
+        :class:`DiLoCo`; the period is constant: ``alpha``, ``warmup_period`` and
         ``compression`` are not taken.)
     """
 
@@ -113,7 +116,7 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
         for name, value, default in (("alpha", self.alpha, 0.0),
-                                     ("warmup_steps", self.warmup_steps, 0),
+                                     ("warmup_period", self.warmup_period, 1),
                                      ("compression", self.compression, None)):
             if value != default:
                 raise ValueError(f"{name}={value!r} is not taken by streaming-diloco (a "
@@ -258,7 +261,12 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
 
     @torch.no_grad()
     def after_step(self) -> None:
-        fragment, position = self._schedule(self.step)
+        if self.step < self.config.warmup_steps:  # synchronous: a plain average every step
+            self.outer.warm_up(self.across)
+            self.synchronizations += 1
+            self.last_averaged = self.step
+            return
+        fragment, position = self._schedule(self.step - self.config.warmup_steps)
         slot = self.config.period // self.config.fragments
         self._progress()
         if position == slot - 1 - self.config.tau:
@@ -295,13 +303,18 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
             local.copy_(global_.detach().lerp(local, mixing))
 
     @torch.no_grad()
+    def settle(self) -> None:
+        """Take in the fragment's exchange in flight (its outer step and merge)."""
+        if self.in_flight is not None:
+            self._perform(self.in_flight[0])
+
+    @torch.no_grad()
     def finish(self) -> None:
         """Take in the exchange in flight; then, with ``average_at_end``, one outer step of the
         whole model, unquantised, after which every worker holds the global parameters (the
         replicas differ after any fragment's synchronisation: the other fragments, and the
         local share ``mixing``)."""
-        if self.in_flight is not None:
-            self._perform(self.in_flight[0])
+        self.settle()
         if self.config.average_at_end:
             self.average_parameters()
 
@@ -309,8 +322,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
     def average_parameters(self) -> None:
         """An outer step of every fragment at once, unquantised, mixing 0: every worker
         ends with the global parameters. Collective."""
-        if self.in_flight is not None:
-            self._perform(self.in_flight[0])
+        self.settle()
         indices = list(range(len(self.trained)))
         deltas = self.outer.pseudo_gradients(indices)
         self.reduce(deltas)

@@ -167,8 +167,10 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         faults.after_backward(done, params, time.perf_counter() - started)
         optimizer.step()
         if done == config.steps:
-            # how far the replicas drifted apart, before finish() makes them equal
+            # how far the replicas drifted apart, before finish() makes them equal (once
+            # nothing is in flight: an asynchronous method's rounds stop there)
             if not runtime.replicas_identical:
+                runtime.settle()
                 drift = excluding(consensus_distance, optimizer)
             optimizer.finish()
         if math.isfinite(step_loss):
