@@ -371,3 +371,16 @@ def test_registry_names_and_options():
                                                                          outer="adamw")
     streaming = create("streaming-diloco", {"fragments": "2", "precision": "int8"})
     assert dataclasses.replace(streaming) == StreamingDiLoCo(fragments=2, precision="int8")
+
+
+def test_group_size_flag_sets_the_option(tmp_path, capsys):
+    import yaml
+
+    from gossamer.cli import main
+
+    assert main(["train", "--algorithm", "diloco", "--group-size", "2", "--steps", "8",
+                 "--option", "period=4", "--run-dir", str(tmp_path), "--quiet"]) == 0
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())["algorithm"]
+    assert written["options"]["group_size"] == 2 and written["options"]["period"] == 4
+    assert main(["train", "--algorithm", "sgp", "--group-size", "2", "--steps", "8"]) == 2
+    assert "no option 'group_size'" in capsys.readouterr().err

@@ -121,6 +121,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     for flag, given in (("--algorithm", args.algorithm), ("--option", args.option),
+                        ("--group-size", args.group_size),
                         ("--compressor", args.compressor), ("--run-dir", args.run_dir),
                         ("--resume", args.resume), ("--sim", args.sim)):
         if given:

@@ -480,6 +480,11 @@ def add_config_arguments(parser: argparse.ArgumentParser,
                                    help=help_text if name in hidden else "an option of the "
                                    "algorithm, repeatable (e.g. --option bucket_mb=10); see "
                                    "`gossamer algorithms`")
+                group.add_argument("--group-size", type=int, default=None, metavar="G",
+                                   help=help_text if name in hidden else "workers per group, "
+                                   "for the methods that form groups (diloco and "
+                                   "streaming-diloco between groups that all-reduce gradients, "
+                                   "wagma): --option group_size=G")
                 group.add_argument("--compressor", default=None, metavar="NAME[:KEY=VALUE...]",
                                    help=help_text if name in hidden else "send a "
                                    "gradient-level method's gradients through this compressor "
@@ -510,9 +515,11 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
         value = getattr(args, name, None)
         if value is not None:
             settings[name] = tuple(value) if name in ("milestones", *_REPEATED) else value
-    if getattr(args, "option", None):
+    if getattr(args, "option", None) or getattr(args, "group_size", None) is not None:
         options = dict(settings.get("options", {}))
-        options.update(parse_options(args.option))
+        options.update(parse_options(args.option or []))
+        if getattr(args, "group_size", None) is not None:
+            options["group_size"] = str(args.group_size)
         settings["options"] = options
     if getattr(args, "compressor", None):
         settings["compressor"] = args.compressor
