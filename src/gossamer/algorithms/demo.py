@@ -23,18 +23,17 @@ authors' code computes it):
 
 Every worker computes the same Q from the same gathered values, so the replicas stay identical.
 
-How it fits the optimizer: the reference is a subclass of ``torch.optim.SGD`` with momentum 0
-whose ``step`` replaces the gradients by ``sign(Q)`` and calls SGD's step. Here the wrapped
-optimizer is that SGD: the runtime replaces each gradient by ``sign(Q)`` in ``after_backward``
-and the wrapped ``torch.optim.SGD`` steps with it. The optimizer must therefore be a
-``torch.optim.SGD`` without ``maximize`` (another optimizer, e.g. AdamW, would reshape the
-signs: ValueError naming ``optimizer``). Its momentum is DeMo's own: when bound, the runtime
-sets the groups' ``momentum``, ``dampening`` and ``nesterov`` to 0 (SGD's momentum would
-smooth the signs a second time; ``compression_decay`` is the momentum), as DGC takes an SGD's
-momentum over; ``taken_momentum`` records what was there. SGD's ``weight_decay`` stays with
-SGD: without momentum its update ``x - lr (sign(Q) + wd x)`` is exactly the reference's
-decoupled decay ``x (1 - lr wd) - lr sign(Q)``. Each group's own learning rate scales its
-momentum, as in the reference.
+How it fits the optimizer: DeMo is an optimizer of its own (the reference is a subclass of
+``torch.optim.SGD`` with momentum 0 whose ``step`` replaces the gradients by ``sign(Q)`` and
+calls SGD's step). Here the runtime applies that step itself in ``after_backward``, with each
+parameter group's ``lr`` and ``weight_decay`` read from the wrapped optimizer when the step is
+taken (so learning-rate schedulers act as usual): ``x = x (1 - lr wd) - lr sign(Q)``, the
+reference's decoupled decay. It then leaves the gradients None, so that the wrapped optimizer's
+step, which still runs, leaves these parameters alone: its own rule (SGD's momentum, Adam's
+moments) is not used, whatever optimizer it is. With a ``torch.optim.SGD`` without momentum
+this is exactly what SGD would do with the gradient ``sign(Q)`` (its L2 decay is then the
+decoupled one); with AdamW it is AdamW's decoupled decay. An optimizer built with
+``maximize=True`` is refused (ValueError naming ``optimizer``): DeMo descends.
 
 The defaults are the reference's: ``compression_decay`` 0.999 (beta), ``compression_topk`` 32,
 ``compression_chunk`` 64. Bytes per step and worker: one all-gather of the positions (int16
@@ -51,7 +50,7 @@ Optimization", arXiv:2411.19870 (2024), Algorithm 1; their code, github.com/bloc
 
 Example::
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # its momentum is taken over
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)  # its lr and weight decay
     optimizer = gossamer.distribute(model, optimizer, DeMo(compression_topk=32), comm)
 """
 
@@ -74,8 +73,8 @@ from gossamer.options import option
 @dataclass(frozen=True, kw_only=True)
 class DeMo(Algorithm):
     """Decoupled Momentum Optimization: local momenta, their top DCT components exchanged,
-    signum steps. The wrapped optimizer must be a ``torch.optim.SGD``; its momentum is taken
-    over (set to 0: DeMo's is ``compression_decay``).
+    signum steps, applied by the runtime with the wrapped optimizer's ``lr`` and
+    ``weight_decay`` (its own update rule is not used).
 
     Args:
         compression_decay: beta, the decay of each worker's momentum (default 0.999, the
@@ -168,16 +167,9 @@ class DeMoRuntime(Runtime):
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(comm, model, optimizer)
         self.config = config
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise ValueError(f"optimizer: DeMo steps with torch.optim.SGD (x - lr sign(Q)), got "
-                             f"{type(optimizer).__name__}; build a torch.optim.SGD")
-        #: the wrapped SGD's momentum when bound, now DeMo's (see the module docstring)
-        self.taken_momentum = 0.0
         for group in optimizer.param_groups:
             if group.get("maximize"):
-                raise ValueError("optimizer: DeMo descends; build the SGD with maximize=False")
-            self.taken_momentum = max(self.taken_momentum, float(group.get("momentum", 0)))
-            group["momentum"], group["dampening"], group["nesterov"] = 0, 0, False
+                raise ValueError("optimizer: DeMo descends; build it with maximize=False")
         # by name: the same order on every worker, whatever order the model registers them in
         self.named = sorted(self.named_parameters, key=lambda item: item[0])
         self.transforms = [ChunkedDCT(p.shape, config.compression_chunk, p.dtype, p.device)
@@ -202,9 +194,10 @@ class DeMoRuntime(Runtime):
         """Nothing here: the workers agree on non-finite gradients in after_backward."""
         self.skip_update = False
 
-    def _lr(self) -> dict[int, float]:
-        return {id(p): float(group["lr"]) for group in self.optimizer.param_groups
-                for p in group["params"]}
+    def _groups(self) -> dict[int, tuple[float, float]]:
+        """(lr, weight_decay) of each parameter's group, by id, as they are now."""
+        return {id(p): (float(group["lr"]), float(group.get("weight_decay", 0.0)))
+                for group in self.optimizer.param_groups for p in group["params"]}
 
     @torch.no_grad()
     def after_backward(self) -> None:
@@ -214,13 +207,13 @@ class DeMoRuntime(Runtime):
         found = bool(self.overflow) or not all_finite([g for g in grads if g is not None])
         if found:
             self._found = describe_nonfinite([(n, p.grad) for n, p in self.named], "gradient")
-        lrs = self._lr()
+        groups = self._groups()
         decay = self.config.compression_decay
         updated, indices, values = [], [], []
         for (name, p), transform, k in zip(self.named, self.transforms, self.topk, strict=True):
             m = self.momentum[name] * decay
             if p.grad is not None and not found:
-                m.add_(p.grad, alpha=lrs[id(p)])
+                m.add_(p.grad, alpha=groups[id(p)][0])
             coefficients = transform.encode(m)
             index = torch.topk(coefficients.abs(), k, dim=-1, sorted=False).indices
             value = torch.gather(coefficients, -1, index)
@@ -254,17 +247,16 @@ class DeMoRuntime(Runtime):
             averaged = torch.zeros(transform.chunks, transform.size, dtype=p.dtype,
                                    device=p.device)
             averaged.scatter_reduce_(-1, index, value, reduce="mean", include_self=False)
-            direction = transform.decode(averaged).sign()
-            if p.grad is None:
-                p.grad = direction
-            else:
-                p.grad.copy_(direction)
+            lr, weight_decay = groups[id(p)]
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            p.add_(transform.decode(averaged).sign(), alpha=-lr)
+            p.grad = None  # the wrapped optimizer's step leaves this parameter alone
         self.synchronizations += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),
-                "momentum": {name: m.clone() for name, m in self.momentum.items()},
-                "taken_momentum": self.taken_momentum}
+                "momentum": {name: m.clone() for name, m in self.momentum.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
@@ -273,4 +265,3 @@ class DeMoRuntime(Runtime):
                 raise ValueError(f"state: DeMo's momentum has {name!r}, which the model "
                                  "does not train")
             self.momentum[name].copy_(m)
-        self.taken_momentum = float(state.get("taken_momentum", self.taken_momentum))
