@@ -73,8 +73,10 @@ from gossamer.options import option
 @dataclass(frozen=True, kw_only=True)
 class DeMo(Algorithm):
     """Decoupled Momentum Optimization: local momenta, their top DCT components exchanged,
-    signum steps, applied by the runtime with the wrapped optimizer's ``lr`` and
-    ``weight_decay`` (its own update rule is not used).
+    signum steps taken with the wrapped optimizer's learning rate and weight decay.
+
+    The wrapped optimizer's own rule (momentum, Adam's moments) is not used: the runtime
+    steps and leaves the gradients None.
 
     Args:
         compression_decay: beta, the decay of each worker's momentum (default 0.999, the
