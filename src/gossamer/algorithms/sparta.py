@@ -164,6 +164,7 @@ class SPARTARuntime(Runtime):
         self.sparse_averages += 1
 
     def finish(self) -> None:
+        self.settle()  # nothing is in flight: every averaging is a blocking all-reduce
         if self.config.average_at_end:
             self.average_parameters()
 
