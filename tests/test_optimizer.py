@@ -216,3 +216,17 @@ def test_every_method_and_compressor_is_importable_from_gossamer():
     assert str(gossamer.parse_compression("topk:ratio=0.5")) == "topk:ratio=0.5"
     assert gossamer.AllReduce(compression="topk:ratio=0.5") == gossamer.with_compression(
         gossamer.AllReduce(), "topk:ratio=0.5")
+
+
+def test_before_eval_is_the_runtimes():
+    from gossamer.algorithms import DPSGD
+
+    def worker(comm):
+        model = torch.nn.Linear(3, 1)
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  DPSGD(average_before_eval=True), comm)
+        before = opt.runtime.synchronizations
+        opt.before_eval()
+        return opt.runtime.synchronizations - before
+
+    assert SimWorld(2).run(worker) == [1, 1]

@@ -191,6 +191,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Average the replicas exactly (collective: every worker must call it)."""
         self.runtime.average_parameters()
 
+    def before_eval(self) -> None:
+        """Before evaluating: what the algorithm does there (local SGD re-estimates BatchNorm
+        statistics, WAGMA stops its rounds, an exact average under ``average_before_eval``).
+        Collective: every worker must call it at the same step."""
+        self.runtime.before_eval()
+
     def finish(self) -> None:
         """After the last step: settle messages in flight (and, where the algorithm is set to,
         average exactly). Collective: every worker must call it."""

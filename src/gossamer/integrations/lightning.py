@@ -206,7 +206,7 @@ class GossamerStrategy(DDPStrategy):
         super().on_validation_start()
         if self._fitting():
             for optimizer in self.distributed_optimizers:
-                optimizer.runtime.before_eval()
+                optimizer.before_eval()
 
     def on_train_end(self) -> None:
         """Settle the method after the last step (collective), so the replicas end equal."""
