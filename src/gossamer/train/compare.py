@@ -61,8 +61,8 @@ def run_compare(algorithms: str, base: TrainConfig, out_dir: str | Path) -> Path
 
 
 def default_algorithms() -> str:
-    """Every registered method that learns the default task with its defaults (a method's
-    ``needs`` says what it needs otherwise)."""
+    """Every registered method that learns the default task and the MNIST CNN with its
+    defaults (a method's ``needs`` says what it needs otherwise)."""
     from gossamer.algorithms import lookup
 
     return ",".join(name for name in available() if not lookup(name).needs)
