@@ -315,8 +315,8 @@ def test_compare_default_set_learns_the_default_task():
 
     chosen = default_algorithms().split(",")
     left_out = sorted(set(available()) - set(chosen))
-    assert left_out == ["gossipgrad", "randomk"] and all(lookup(name).needs
-                                                         for name in left_out)
+    assert left_out == ["demo", "gossipgrad", "randomk"] and all(lookup(name).needs
+                                                                 for name in left_out)
     accuracy = {name: run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
                 ["eval_accuracy"] for name in chosen}
     for name in chosen:

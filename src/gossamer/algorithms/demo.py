@@ -87,6 +87,10 @@ class DeMo(Algorithm):
     """
 
     name: ClassVar[str] = "demo"
+    needs: ClassVar[str] = (
+        "a learning rate for a sign step (every element moves by lr per step): with the MNIST "
+        "CNN recipe's lr 0.05 it reaches 11.65%, with --lr 0.002 98.85% and --lr 0.005 "
+        "98.90%, against 98.50% for allreduce at lr 0.05 (8 workers); digits learns at 0.05")
 
     compression_decay: float = option(0.999, "beta, the momentum's decay; what is not sent "
                                       "stays and decays at this rate")
