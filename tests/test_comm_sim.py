@@ -307,6 +307,19 @@ def test_hung_worker_is_named_after_real_timeout():
     assert isinstance(failures[0], CommTimeoutError) and failures[0].peers == (1,)
 
 
+def test_hung_worker_is_named_with_sigint_ignored():
+    """A process started with SIGINT ignored (a background job, nohup) still gets the
+    watchdog's interrupt, and its disposition is restored afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        test_hung_worker_is_named_after_real_timeout()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_grad_mode_is_per_worker():
     def fn(comm):
         if comm.rank == 0:

@@ -38,6 +38,7 @@ import _thread
 import functools
 import heapq
 import math
+import signal
 import threading
 import time
 from collections import defaultdict, deque
@@ -237,6 +238,12 @@ class SimWorld:
                               parent=self._hub)
         watchdog = _Watchdog(self) if threading.current_thread() is threading.main_thread() \
             else None
+        # The watchdog interrupts the main thread as SIGINT does; a process started with SIGINT
+        # ignored (a background job of a non-interactive shell, nohup) would never see it
+        restore = None
+        if watchdog is not None and signal.getsignal(signal.SIGINT) in (
+                signal.SIG_IGN, signal.SIG_DFL, None):
+            restore = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while (nxt := self._pick()) is not None:
                 self._running = nxt
@@ -247,6 +254,8 @@ class SimWorld:
         finally:
             if watchdog is not None:
                 watchdog.stop()
+            if restore is not None:
+                signal.signal(signal.SIGINT, restore)
         self.report = self._make_report()
         failures = {w.rank: w.error for w in self._workers if w.error is not None}
         if failures:
