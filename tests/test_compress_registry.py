@@ -104,7 +104,7 @@ def test_unknown_names_and_options_are_named_with_the_known_ones():
 def test_with_compression_names_the_argument_and_the_methods_that_take_it():
     with pytest.raises(ValueError, match="compressor: algorithm 'sgp' does not take a "
                                          "compressor; the methods that do: allreduce, "
-                                         "gossipgrad"):
+                                         "diloco, gossipgrad"):
         with_compression(SGP(), "topk")
     with pytest.raises(ValueError, match="compressor: algorithm 'dgc' does not take"):
         with_compression(DGC(), "topk")

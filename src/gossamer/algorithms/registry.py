@@ -63,7 +63,8 @@ def with_compression(algorithm: Algorithm,
     """``algorithm``, a gradient-level method, sending its gradients through ``compression``.
 
     The methods that take a compressor have a ``compression`` option (``allreduce``,
-    ``gossipgrad``); any other is a ValueError naming the ``compressor`` argument and them.
+    ``gossipgrad``, ``diloco`` for its pseudo-gradients); any other is a ValueError naming
+    the ``compressor`` argument and them.
     A compression the algorithm already holds is replaced.
 
     Example::
@@ -82,5 +83,7 @@ def with_compression(algorithm: Algorithm,
 
 
 def _takes_compression(cls: type) -> bool:
+    if not getattr(cls, "takes_compression", True):  # a field it inherits but refuses
+        return False
     return dataclasses.is_dataclass(cls) and any(
         f.name == "compression" and f.init for f in dataclasses.fields(cls))

@@ -82,6 +82,8 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     name: ClassVar[str] = "streaming-diloco"
+    #: its pseudo-gradients travel in ``precision``, not through a compressor
+    takes_compression: ClassVar[bool] = False
 
     period: int = option(16, "H: steps between two synchronisations of a fragment; a multiple "
                          "of fragments")

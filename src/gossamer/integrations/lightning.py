@@ -235,9 +235,7 @@ class GossamerStrategy(DDPStrategy):
         Lightning's ``dump_checkpoint`` runs on every worker."""
         state = dict(super().optimizer_state(optimizer))
         if "algorithm" in state and self.world_size > 1 and self._replicas_identical():
-            gathered: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(gathered, state["algorithm"])
-            state["algorithm_by_rank"] = gathered
+            state["algorithm_by_rank"] = self._gather(state["algorithm"])
         return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
@@ -250,11 +248,26 @@ class GossamerStrategy(DDPStrategy):
         if self.world_size > 1 and self.distributed_optimizers and not self._replicas_identical():
             mine = {"state_dict": checkpoint["state_dict"],
                     "optimizer_states": checkpoint.get("optimizer_states")}
-            workers: list[Any] = [None] * self.world_size
-            torch.distributed.all_gather_object(workers, mine)
+            workers: list[Any] = self._gather(mine)
             workers[0] = None  # rank 0's are the checkpoint's own
             checkpoint = {**checkpoint, "gossamer_workers": workers}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather(self, state: Any) -> list[Any]:
+        """Every worker's ``state`` (tensors and plain data), by rank. Collective. Each travels
+        as the bytes of ``torch.save`` through the communicator and is read back with
+        ``weights_only=True``: no object is unpickled from a peer (``all_gather_object`` would
+        unpickle anything)."""
+        import io
+
+        from gossamer.train.checkpoint import safe_loads
+
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        comm = self.distributed_optimizers[0].comm
+        return [safe_loads(bytes(part.numpy()), "a worker's checkpoint state")
+                for part in comm.all_gather(data)]
 
     def _own(self, checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
         """The checkpoint as this worker saved it: its own replica and optimizer state where
