@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracles import demo as oracle
+from oracles.least_squares import LeastSquares
 from torch import nn
 
 import gossamer
@@ -27,27 +28,9 @@ ATOL = 1e-9
 NAMES = ["bias", "weight"]  # the runtime's order: by name
 
 
-def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    a = torch.randn(ROWS, IN, generator=g, dtype=torch.float64) + 0.2 * rank
-    y = torch.randn(ROWS, OUT, generator=g, dtype=torch.float64) + rank
-    return a, y
-
-
-def _grad(rank: int, step: int, x: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradient of ``0.5 mean_rows |a W^T + b - y|^2`` in (W, b), by hand."""
-    a, y = _data(rank, step)
-    w, b = x
-    r = a @ w.T + b - y
-    return [r.T @ a / ROWS, r.sum(0) / ROWS]
-
-
-def _model() -> nn.Linear:
-    torch.manual_seed(3)
-    return nn.Linear(IN, OUT, dtype=torch.float64)
-
-
-X0 = [t.detach().clone() for t in _model().parameters()]
+PROBLEM = LeastSquares(IN, OUT, ROWS)
+_data, _grad, _model = PROBLEM.data, PROBLEM.grad, PROBLEM.model
+X0 = PROBLEM.x0()
 
 
 def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracles import sparta as oracle
-from torch import nn
+from oracles.least_squares import LeastSquares
 
 import gossamer
 from gossamer.algorithms import SPARTA, LocalSGD, create
@@ -24,27 +24,9 @@ LR = 0.05
 ATOL = 1e-9
 
 
-def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    a = torch.randn(ROWS, IN, generator=g, dtype=torch.float64) + 0.2 * rank
-    y = torch.randn(ROWS, OUT, generator=g, dtype=torch.float64) + rank
-    return a, y
-
-
-def _grad(rank: int, step: int, x: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The gradient of ``0.5 mean_rows |a W^T + b - y|^2`` in (W, b), by hand."""
-    a, y = _data(rank, step)
-    w, b = x
-    r = a @ w.T + b - y
-    return [r.T @ a / ROWS, r.sum(0) / ROWS]
-
-
-def _model() -> nn.Linear:
-    torch.manual_seed(3)
-    return nn.Linear(IN, OUT, dtype=torch.float64)
-
-
-X0 = [t.detach().clone() for t in _model().parameters()]
+PROBLEM = LeastSquares(IN, OUT, ROWS)
+_data, _grad, _model = PROBLEM.data, PROBLEM.grad, PROBLEM.model
+X0 = PROBLEM.x0()
 
 
 def _train(comm, algorithm, steps: int = STEPS, momentum: float = 0.0, finish: bool = True,
