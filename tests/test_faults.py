@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -428,7 +429,66 @@ def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None
         assert exited[rank] - failed_at < timeout + 10, err
         message = err.strip().splitlines()[-1]
         assert message.startswith(f"gossamer train (rank {rank}): Comm"), err
-        assert "all_reduce #" in message and "rank 1" in message, err
+        assert "all_reduce #" in message and _suspects(message) == "rank 1", err
+        assert "frame #" not in err, err  # no C++ stack frames from a store that went away
+
+
+def _suspects(message: str) -> str | None:
+    found = re.search(r"; suspects: ([^.]*)\. Original error", message)
+    return found.group(1) if found else None
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("algorithm", ["allreduce", "sgp"])
+def test_the_store_host_dying_first_is_the_only_one_blamed(tmp_path: Path, algorithm) -> None:
+    """Rank 0 hosts the heartbeat store; when it dies, the survivors cannot read anyone's
+    heartbeat, and must blame rank 0 alone, without the store client's C++ stack frames."""
+    procs = _train_processes(tmp_path, 4, "--algorithm", algorithm, "--steps", "40",
+                             "--eval-every", "0", "--timeout", "5", "--fault", "0:20:crash")
+    try:
+        for p in procs:
+            p.wait(timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode == CRASH_EXIT_CODE
+    for rank in (1, 2, 3):
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert procs[rank].returncode == 1, err
+        message = err.strip().splitlines()[-1]
+        assert message.startswith(f"gossamer train (rank {rank}): Comm"), err
+        assert _suspects(message) == "rank 0", err
+        assert "frame #" not in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_a_survivor_that_left_first_is_not_blamed(tmp_path: Path) -> None:
+    """Rank 1 dies; rank 0 (the store's host) diagnoses first and exits. A survivor that
+    diagnoses later (a timeout after rank 0 left) must still blame rank 1 alone, and say how
+    long ago rank 1 was last heard from rather than an operation long past."""
+    procs = _train_processes(tmp_path, 4, "--steps", "40", "--eval-every", "0",
+                             "--timeout", "5", "--fault", "1:20:crash")
+    try:
+        for p in procs:
+            p.wait(timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == CRASH_EXIT_CODE
+    for rank in (0, 2, 3):
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert procs[rank].returncode == 1, err
+        message = err.strip().splitlines()[-1]
+        assert _suspects(message) == "rank 1", err
+        assert re.search(r"rank 1 stopped responding \(its last heartbeat, [0-9.]+ s ago",
+                         message), err
+        assert "frame #" not in err, err
 
 
 @pytest.mark.parametrize("memory", ["error feedback", "dgc"])

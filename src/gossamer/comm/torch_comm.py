@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import os
+import select
 import socket
 import threading
 import time
@@ -59,10 +60,14 @@ _CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to 
 
 
 class _Heartbeat:
-    """A daemon thread that writes ``{counter}:{op_seq}:{op_label}`` to the store every 0.5 s.
+    """A daemon thread that writes ``{counter}:{op_seq}:{time}:{op_label}`` to the store every
+    0.5 s.
 
     It has its own store connection, so it beats while the main thread is blocked in a
     collective; a second connection serves the main thread's reads when it diagnoses a failure.
+    A third, idle socket watches the store's host: when that process is gone the socket reads
+    end-of-file, which tells it without a call into the C++ store (each of which, against a
+    vanished store, logs a C++ warning with its stack frames).
     """
 
     def __init__(self, host: str, port: int, prefix: str, comm: TorchCommunicator) -> None:
@@ -75,6 +80,12 @@ class _Heartbeat:
                                      wait_for_workers=False)
         self._writer.set_timeout(timedelta(seconds=_STORE_READ_TIMEOUT))
         self._reader.set_timeout(timedelta(seconds=_STORE_READ_TIMEOUT))
+        self._watch: socket.socket | None = None
+        try:
+            self._watch = socket.create_connection((host, port), timeout=connect.total_seconds())
+            self._watch.setblocking(False)
+        except OSError:  # the store answered the TCPStore clients: watch through them instead
+            self._watch = None
         self._counter = 0
         self._key = self.key(comm._global_ranks[comm.rank])
         self._beat()  # the key exists as soon as the communicator does
@@ -85,47 +96,84 @@ class _Heartbeat:
     def key(self, global_rank: int) -> str:
         return f"{self.prefix}/{global_rank}"
 
+    def store_alive(self) -> bool:
+        """Whether the store's host still holds this worker's idle connection (never blocks)."""
+        if self._watch is None:
+            return True
+        try:
+            readable, _, _ = select.select([self._watch], [], [], 0)
+            return not readable or self._watch.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False
+
     def _beat(self) -> None:
         self._counter += 1
         seq, label = self._comm._seq, self._comm._label
-        self._writer.set(self._key, f"{self._counter}:{seq}:{label}")
+        self._writer.set(self._key, f"{self._counter}:{seq}:{time.time():.3f}:{label}")
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL):
+            if not self.store_alive():
+                return  # the store's host is gone (the job is ending, or it died)
             try:
                 self._beat()
             except Exception:  # noqa: BLE001
-                # The store's host is gone (the job is ending, or it died): a TCPStore client
-                # does not reconnect, and each failed write logs a C++ warning, so stop here.
+                # a TCPStore client does not reconnect, and each failed write logs a C++
+                # warning, so stop here
                 return
 
-    def read(self, global_rank: int) -> tuple[int, int, str] | None:
-        """A peer's last beat ``(counter, op_seq, op_label)``, or None if it never beat."""
+    def read(self, global_rank: int) -> tuple[int, int, float, str] | None:
+        """A peer's last beat ``(counter, op_seq, unix_time, op_label)``, or None if it never
+        beat."""
         key = self.key(global_rank)
         if not self._reader.check([key]):
             return None
-        counter, seq, label = self._reader.get(key).decode().split(":", 2)
-        return int(counter), int(seq), label
+        counter, seq, when, label = self._reader.get(key).decode().split(":", 3)
+        return int(counter), int(seq), float(when), label
+
+    def left(self, global_rank: int) -> str | None:
+        """What a peer that closed after a failure wrote on leaving (see :meth:`stop`)."""
+        key = f"{self.prefix}/left/{global_rank}"
+        if not self._reader.check([key]):
+            return None
+        return self._reader.get(key).decode()
 
     def halt(self) -> None:
         """Stop beating, as a frozen process would, without counting this rank as closed."""
         self._stop.set()
         self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
 
-    def stop(self, world_size: int, wait_for_all: bool) -> None:
-        """Stop beating and count this rank as closed; the store's host waits (briefly) for
-        everyone to stop, since beats that hit a vanished store spam C++ warnings."""
+    def stop(self, world_size: int, wait_for_all: bool, failure: CommError | None = None,
+             expected: int | None = None, patience: float = _CLOSE_WAIT) -> None:
+        """Stop beating and count this rank as closed.
+
+        After a ``failure`` the rank leaves its diagnosis in the store, so that a peer that
+        diagnoses later learns that this one left on purpose, and whom it blamed. The store's
+        host waits for ``expected`` ranks (default: all) to close, at most ``patience``
+        seconds: beats that hit a vanished store spam C++ warnings, and a peer still diagnosing
+        a failure needs the store to tell a dead rank from one that left.
+        """
         self._stop.set()
         self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
         key = f"{self.prefix}/closed"
         try:
+            if not self.store_alive():
+                return
+            if failure is not None:
+                suspects = ",".join(str(p) for p in failure.peers)
+                self._reader.set(f"{self.prefix}/left/{self._key.rsplit('/', 1)[1]}",
+                                 f"{failure.op}|{suspects}")
             closed = self._reader.add(key, 1)
-            end = time.monotonic() + _CLOSE_WAIT
-            while wait_for_all and closed < world_size and time.monotonic() < end:
+            wanted = world_size if expected is None else expected
+            end = time.monotonic() + patience
+            while wait_for_all and closed < wanted and time.monotonic() < end:
                 time.sleep(0.05)
                 closed = self._reader.add(key, 0)
         except Exception:  # noqa: BLE001 - the store is gone already: nothing to wait for
             pass
+        finally:
+            if self._watch is not None:
+                self._watch.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,6 +292,7 @@ class TorchCommunicator:
         self._store = store  # kept alive with the communicator
         self._owns_group = False
         self._store_host: int | None = None  # global rank hosting the store, when known
+        self._failed: CommError | None = None  # the failure this communicator raised, if any
         if store_addr is None and isinstance(store, dist.TCPStore):
             store_addr = (store.host, store.port)
         self._heartbeat: _Heartbeat | None = None
@@ -529,7 +578,15 @@ class TorchCommunicator:
         """
         if self._heartbeat is not None:
             hosting = self._store_host == self._global_ranks[self._rank]
-            self._heartbeat.stop(len(self._global_ranks), wait_for_all=hosting)
+            size, failed = len(self._global_ranks), self._failed
+            if failed is None:
+                self._heartbeat.stop(size, wait_for_all=hosting)
+            else:
+                # the peers still diagnosing the failure need the store: its host waits for
+                # every rank not blamed to close, as long as one may take to notice and diagnose
+                self._heartbeat.stop(size, wait_for_all=hosting, failure=failed,
+                                     expected=size - len(failed.peers),
+                                     patience=self._timeout + 2 * _DIAGNOSE_GAP + _CLOSE_WAIT)
             self._heartbeat = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -587,7 +644,7 @@ class TorchCommunicator:
 
     def _failure(self, label: str, peers: list[int], exc: BaseException | None,
                  deadline: float, collective: bool = True) -> CommError:
-        text = str(exc).strip() if exc is not None else "no completion"
+        text = _first_line(exc) if exc is not None else "no completion"
         timed_out = exc is None or "timed out" in text.lower()
         if not timed_out and time.perf_counter() >= deadline:
             timed_out = True
@@ -595,57 +652,77 @@ class TorchCommunicator:
         what = f"timed out after {self._timeout:g} s" if timed_out else "failed"
         message = f"{label} {what}: {diagnosis}. Original error: {text}"
         cls = CommTimeoutError if timed_out else CommError
-        return cls(message, op=label, peers=suspects)
+        self._failed = cls(message, op=label, peers=suspects)
+        return self._failed
 
     def _diagnose(self, label: str, peers: list[int], seq: int | None) -> tuple[str, list[int]]:
         """Name the peers that stopped (or lag), from two reads of their heartbeats.
 
         ``seq`` is the collective's number (every member runs the same sequence of them); for
         an exchange it is None, and a live peer that is not itself exchanging is the suspect.
+        A peer that closed after a failure of its own left its verdict in the store: it is not
+        blamed, and when nothing else explains the failure its verdict is adopted.
         """
         names = ", ".join(f"rank {p}" for p in peers)
         if self._heartbeat is None:
             return f"no heartbeat store to tell which peer failed; suspects: {names}", peers
         hb = self._heartbeat
         try:
+            if not hb.store_alive():
+                raise ConnectionError("its host closed the connection")
             first = {p: hb.read(self._global_ranks[p]) for p in peers}
             time.sleep(_DIAGNOSE_GAP)
             second = {p: hb.read(self._global_ranks[p]) for p in peers}
+            gone = {p: hb.left(self._global_ranks[p]) for p in peers}
         except Exception as exc:  # noqa: BLE001 - any store failure means the same here
-            text = str(exc).strip()
-            reason = text.splitlines()[0] if text else type(exc).__name__
-            host = self._store_host_rank()
-            if host is not None:
-                peers = [host] + [p for p in peers if p != host]
-                where = f"its host, rank {host}, has probably died"
-            else:
-                where = "its host may be down"
-            names = ", ".join(f"rank {p}" for p in peers)
-            return (f"the heartbeat store at {hb.host}:{hb.port} is unreachable ({reason}): "
-                    f"{where}; suspects: {names}", peers)
-        parts, suspects, bystanders = [], [], []
+            return self._store_lost(hb, peers, _first_line(exc))
+        now = time.time()
+        parts, suspects, bystanders, named = [], [], [], []
         for p in peers:
             before, after = first[p], second[p]
+            if gone[p] is not None:
+                op, _, blamed = gone[p].partition("|")
+                theirs = [int(b) for b in blamed.split(",") if b]
+                named += [b for b in theirs if b not in named]
+                whom = ", ".join(f"rank {b}" for b in theirs) or "no peer"
+                parts.append(f"rank {p} left after its {op} failed (it blamed {whom})")
+                continue
             if after is None:
                 parts.append(f"rank {p} stopped responding (it never sent a heartbeat)")
             elif before is not None and after[0] <= before[0]:
-                parts.append(f"rank {p} stopped responding (its latest operation: {after[2]})")
+                parts.append(f"rank {p} stopped responding (its last heartbeat, "
+                             f"{max(now - after[2], 0.0):.1f} s ago, was during {after[3]})")
             elif seq is not None and after[1] < seq:
-                parts.append(f"rank {p} is alive but has not reached {label} (its latest "
-                             f"operation: {after[2]})")
-            elif seq is None and not after[2].startswith("exchange"):
-                parts.append(f"rank {p} is alive but not exchanging (its latest operation: "
-                             f"{after[2]})")
+                parts.append(f"rank {p} is alive but has not reached {label} (it is in "
+                             f"{after[3]})")
+            elif seq is None and not after[3].startswith("exchange"):
+                parts.append(f"rank {p} is alive but not exchanging (it is in {after[3]})")
             else:
                 bystanders.append(p)
                 continue
             suspects.append(p)
         if not suspects:
+            suspects = [b for b in named if b != self._rank and b not in bystanders]
+        if not suspects:
             return f"every peer ({names}) is alive and reached it", peers
         if bystanders:
             verb = "is" if len(bystanders) == 1 else "are"
             parts.append(", ".join(f"rank {p}" for p in bystanders) + f" {verb} alive and in it")
-        return "; ".join(parts), suspects
+        blamed = ", ".join(f"rank {p}" for p in suspects)
+        return "; ".join(parts) + f"; suspects: {blamed}", suspects
+
+    def _store_lost(self, hb: _Heartbeat, peers: list[int], reason: str
+                    ) -> tuple[str, list[int]]:
+        """The diagnosis when the heartbeat store no longer answers: its host is the one
+        process known to be gone; nothing can be said of the others without the store."""
+        host = self._store_host_rank()
+        if host is not None and host != self._rank:
+            return (f"rank {host}, which hosts the heartbeat store at {hb.host}:{hb.port}, is "
+                    f"gone ({reason}): it died or exited, and without its store no other peer "
+                    f"can be checked; suspects: rank {host}", [host])
+        names = ", ".join(f"rank {p}" for p in peers)
+        return (f"the heartbeat store at {hb.host}:{hb.port} is unreachable ({reason}): its "
+                f"host may be down; suspects: {names}", peers)
 
     def _store_host_rank(self) -> int | None:
         """This communicator's rank of the process hosting the store, if one of them does."""
@@ -672,6 +749,15 @@ class TorchCommunicator:
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's first line, without the C++ source location gloo puts in front of it."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if line.startswith("[") and "] " in line:
+        line = line.split("] ", 1)[1]
+    return line.split(". This is typically", 1)[0]  # gloo's advice: see the diagnosis
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
