@@ -84,6 +84,11 @@ def _train(args: argparse.Namespace) -> int:
     result = run_training(config)
     if result["rank"] != 0:
         return 0
+    if result.get("already_complete"):
+        print(f"gossamer train: run_dir {config.run_dir!r} is already complete (step "
+              f"{result.get('step', config.steps)} of {config.steps}): nothing to train; its "
+              "summary, kept in metrics.jsonl, is below (pass a larger --steps to train on)",
+              file=sys.stderr)
     rows = _summary_rows(result)
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))

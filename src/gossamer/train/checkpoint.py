@@ -51,6 +51,7 @@ __all__ = [
     "atomic_torch_save",
     "atomic_write_bytes",
     "checkpoint_candidates",
+    "checkpoint_step",
     "latest_checkpoint",
     "load_checkpoint",
     "resume_checkpoint",
@@ -237,6 +238,14 @@ def checkpoint_candidates(run_dir: str | Path) -> list[Path]:
         raise ValueError(f"checkpoint pointer {pointer} holds {name!r}, not a checkpoint name")
     newest = int(match.group(1))
     return [root / name] + [p for s, p in reversed(_complete(root)) if s < newest]
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of the checkpoint directory ``path`` (``step-00000100``), from its name."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-NNNNNNNN)")
+    return int(match.group(1))
 
 
 def read_meta(path: Path) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
 from gossamer.train.models import build_model, resolve_model
 
-__all__ = ["check_resume", "check_shards", "elastic_restart", "launched_by_launcher", "prepare",
-           "run_training"]
+__all__ = ["check_resume", "check_shards", "elastic_restart", "finished_run",
+           "launched_by_launcher", "prepare", "run_training"]
 
 
 #: Whether a launcher started this process as one of several: the name this module had for
@@ -57,6 +57,12 @@ def check_resume(config: TrainConfig) -> None:
     """A resumed run must have a checkpoint and the settings it was started with."""
     if not ckpt.checkpoint_candidates(config.run_dir):
         raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
+    _check_same_settings(config)
+
+
+def _check_same_settings(config: TrainConfig) -> None:
+    """``config`` has the settings its run_dir's config.yaml records (but those free to
+    change on resume)."""
     path = Path(config.run_dir) / "config.yaml"
     if not path.is_file():
         return
@@ -120,6 +126,13 @@ def elastic_restart(config: TrainConfig, environ: Mapping[str, str] | None = Non
     what it sees in ``run_dir``; the agreement check at the start of training and the agreed
     step of the checkpoint stop every worker if they saw different things.
     """
+    count = _restart_count(config, environ)
+    return count if count and ckpt.checkpoint_candidates(config.run_dir) else 0
+
+
+def _restart_count(config: TrainConfig, environ: Mapping[str, str] | None = None) -> int:
+    """``TORCHELASTIC_RESTART_COUNT`` for a real run with a ``run_dir`` and no ``--resume``;
+    0 otherwise."""
     env = os.environ if environ is None else environ
     try:
         count = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -128,7 +141,70 @@ def elastic_restart(config: TrainConfig, environ: Mapping[str, str] | None = Non
                          f"{env['TORCHELASTIC_RESTART_COUNT']!r}") from None
     if count <= 0 or config.sim or config.resume or not config.run_dir:
         return 0
-    return count if ckpt.checkpoint_candidates(config.run_dir) else 0
+    return count
+
+
+def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
+                 ) -> dict[str, Any] | None:
+    """The summary of ``run_dir``'s run, as metrics.jsonl keeps it, when that run is already
+    complete and this one (``--resume``, or an elastic restart) would only repeat its end; None
+    when there is training left to do.
+
+    Complete: the newest checkpoint is of the last step (a restarted run without checkpoints:
+    metrics.jsonl ends with the summary of the last step, and config.yaml holds these
+    settings). A summary lost to a crash after the last checkpoint is rebuilt from the last
+    step's evaluation and written. A checkpoint beyond ``steps`` is a ValueError.
+    """
+    from gossamer.loggers import read_lines
+
+    run_dir = Path(config.run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in read_lines(metrics_path)]
+    candidates = ckpt.checkpoint_candidates(run_dir) if config.resume else []
+    if candidates:
+        step = ckpt.checkpoint_step(candidates[0])
+        if step < config.steps:
+            return None
+        if step > config.steps:
+            raise ValueError(f"resume: run_dir {str(run_dir)!r} was trained to step {step}, "
+                             f"beyond steps={config.steps}; pass --steps {step} or more")
+    elif config.resume or not _restart_count(config, environ):
+        return None
+    elif not (records and records[-1].get("kind") == "summary"
+              and records[-1].get("step") == config.steps):
+        return None  # a restart before the end of a run without checkpoints starts over
+    else:
+        try:
+            _check_same_settings(config)
+        except ValueError:
+            return None  # another run's records: this one starts over
+    summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
+    if summary is None or summary.get("step") != config.steps:
+        last = next((r for r in reversed(records) if r.get("kind") == "eval"
+                     and r.get("step") == config.steps), None)
+        if last is None:
+            raise ValueError(
+                f"resume: run_dir {str(run_dir)!r} is complete (its newest checkpoint is of "
+                f"the last step, {config.steps}) but its metrics.jsonl has no record of that "
+                f"step; pass a larger --steps to train on, or start a new run_dir")
+        summary = {**last, "kind": "summary", "algorithm": config.algorithm.name,
+                   "world_size": ckpt.read_meta(candidates[0])["world_size"]}
+        if _launched_rank() == 0:  # the summary the finished run did not get to write
+            kept = [r for r in records if r.get("kind") != "summary"]
+            ckpt.atomic_write_bytes(metrics_path, "".join(
+                json.dumps(r) + "\n" for r in [*kept, summary]).encode())
+    result: dict[str, Any] = {k: float("nan") if v is None else v for k, v in summary.items()
+                              if k != "kind"}
+    result.update(kind="summary", rank=_launched_rank(), already_complete=True,
+                  mode="simulated" if config.sim else "torch.distributed",
+                  history=[r for r in records if r.get("kind") == "eval"])
+    return result
+
+
+def _launched_rank() -> int:
+    from gossamer.comm.environment import launched_rank
+
+    return launched_rank() or 0
 
 
 def run_training(config: TrainConfig) -> dict[str, Any]:
@@ -143,6 +219,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
         config = config.replace(resume=True)
     if config.resume:
         check_resume(config)
+    if config.run_dir:
+        finished = finished_run(config)
+        if finished is not None:  # nothing to train: the finished run's records stay as they are
+            return finished
     from gossamer.train.loop import train_worker
 
     if config.sim > 0:

@@ -1,0 +1,82 @@
+"""Faults found by trying to break the command line (issue 20): a finished run resumed, bad
+files and settings; each is a one-line error naming the argument or file, or is refused, and
+nothing a finished run wrote is lost."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from gossamer.cli import main
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import finished_run, run_training
+
+RUN = ["train", "--sim", "2", "--steps", "4", "--eval-every", "2", "--checkpoint-every", "2",
+       "--quiet"]
+
+
+def _error(capsys, argv, code=2) -> str:
+    """The stderr of ``gossamer ARGV``, which must exit ``code`` with one error line."""
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------- 1: resuming a finished run
+
+
+def test_resuming_a_finished_run_says_so_and_keeps_its_summary(tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    assert main([*RUN, "--run-dir", run_dir]) == 0
+    first = capsys.readouterr().out
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert json.loads(before.splitlines()[-1])["eval_accuracy"] > 0
+    assert main([*RUN, "--run-dir", run_dir, "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert "already complete" in err and "nan" not in out
+    assert out == first  # the kept summary, printed again
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    # fewer steps than the run has: refused, not an empty run
+    err = _error(capsys, [*RUN[:4], "2", *RUN[5:], "--run-dir", run_dir, "--resume"])
+    assert "trained to step 4" in err and "--steps 4" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+def test_a_summary_lost_after_the_last_checkpoint_is_rebuilt_not_emptied(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "--run-dir", str(run_dir)]) == 0
+    capsys.readouterr()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join(lines[:-1]))  # a crash before the summary
+    assert main([*RUN, "--run-dir", str(run_dir), "--resume"]) == 0
+    assert "already complete" in capsys.readouterr().err
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1]) == json.loads(
+        lines[-1])
+
+
+def _as_real_run(run_dir) -> None:
+    """config.yaml as a run of real processes (launched) records it."""
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "sim": 0}))
+
+
+def test_an_elastic_restart_of_a_finished_run_keeps_its_summary(tmp_path, monkeypatch):
+    settings = dict(steps=4, eval_every=2, batch_size=8, quiet=True)
+    for every in (2, 0):  # with checkpoints, and without (the restart would start over)
+        run_dir = tmp_path / f"run{every}"
+        run_training(TrainConfig(sim=2, run_dir=str(run_dir), checkpoint_every=every,
+                                 **settings))
+        _as_real_run(run_dir)
+        before = (run_dir / "metrics.jsonl").read_text()
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        config = TrainConfig(sim=0, run_dir=str(run_dir), checkpoint_every=every, **settings)
+        result = run_training(config)  # returns before any rendezvous
+        assert result["already_complete"] and result["step"] == 4
+        assert result["eval_accuracy"] == json.loads(before.splitlines()[-1])["eval_accuracy"]
+        assert (run_dir / "metrics.jsonl").read_text() == before
+        # another run's records in the run_dir: the restart starts over, as before
+        assert finished_run(config.replace(lr=0.1)) is None
+        monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+        assert finished_run(config) is None  # not restarted: a new run starts over
