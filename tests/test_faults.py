@@ -433,6 +433,18 @@ def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None
         assert "frame #" not in err, err  # no C++ stack frames from a store that went away
 
 
+def _wait_all(procs: list[subprocess.Popen], timeout: float = 90) -> None:
+    """Wait for every process; kill those still running after ``timeout`` seconds."""
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _suspects(message: str) -> str | None:
     found = re.search(r"; suspects: ([^.]*)\. Original error", message)
     return found.group(1) if found else None
@@ -446,14 +458,7 @@ def test_the_store_host_dying_first_is_the_only_one_blamed(tmp_path: Path, algor
     heartbeat, and must blame rank 0 alone, without the store client's C++ stack frames."""
     procs = _train_processes(tmp_path, 4, "--algorithm", algorithm, "--steps", "40",
                              "--eval-every", "0", "--timeout", "5", "--fault", "0:20:crash")
-    try:
-        for p in procs:
-            p.wait(timeout=90)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    _wait_all(procs)
     assert procs[0].returncode == CRASH_EXIT_CODE
     for rank in (1, 2, 3):
         err = (tmp_path / f"rank{rank}.err").read_text()
@@ -472,14 +477,7 @@ def test_a_survivor_that_left_first_is_not_blamed(tmp_path: Path) -> None:
     long ago rank 1 was last heard from rather than an operation long past."""
     procs = _train_processes(tmp_path, 4, "--steps", "40", "--eval-every", "0",
                              "--timeout", "5", "--fault", "1:20:crash")
-    try:
-        for p in procs:
-            p.wait(timeout=90)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    _wait_all(procs)
     assert procs[1].returncode == CRASH_EXIT_CODE
     for rank in (0, 2, 3):
         err = (tmp_path / f"rank{rank}.err").read_text()
