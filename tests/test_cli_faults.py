@@ -80,3 +80,52 @@ def test_an_elastic_restart_of_a_finished_run_keeps_its_summary(tmp_path, monkey
         assert finished_run(config.replace(lr=0.1)) is None
         monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
         assert finished_run(config) is None  # not restarted: a new run starts over
+
+
+# ------------------------------------------------------- 3: a one-line error, no traceback
+
+
+def test_bad_recipe_files_are_one_line_errors_naming_the_file(tmp_path, capsys):
+    cases = {
+        "malformed.yaml": (b"steps: [1\nlr: 0.1\n", "is not valid YAML"),
+        "evil.yaml": (b'steps: !!python/object/apply:os.system ["echo hi"]\n', "is refused"),
+        "binary.yaml": (b"\xff\xfe: 1\n", "is not UTF-8 text"),
+        "types.yaml": (b"milestones: {a: 1}\n", "each of milestones must be an integer"),
+        "model.yaml": (b"model: 3\n", "model must be a string"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--config", str(path)])
+        assert err.startswith("gossamer train: error: config file") and str(path) in err
+        assert message in err and err.count("\n") == 1
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--config", str(tmp_path)])
+    assert "is a directory" in err
+
+
+def test_a_run_dir_that_is_a_file_is_an_error_naming_it(tmp_path, capsys):
+    file = tmp_path / "afile"
+    file.write_text("")
+    err = _error(capsys, [*RUN, "--run-dir", str(file)])
+    assert f"run_dir {str(file)!r} is a file, not a directory" in err
+    err = _error(capsys, [*RUN, "--run-dir", str(file / "sub")])
+    assert f"is under {str(file)!r}, which is a file" in err
+
+
+def test_a_huge_topology_is_refused_at_once_naming_workers(capsys):
+    import time
+
+    started = time.perf_counter()
+    err = _error(capsys, ["topology", "complete", "--workers", "100000"])
+    assert time.perf_counter() - started < 1
+    assert "--workers 100000" in err and "at most 1024" in err
+
+
+def test_a_damaged_config_yaml_on_resume_is_an_error_naming_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "--run-dir", str(run_dir)]) == 0
+    for content in (b"steps: [1\n", b"\x9f\x00\xff", b"milestones: {a: 1}\n",
+                    b"algorithm: !!python/name:os.system\n"):
+        (run_dir / "config.yaml").write_bytes(content)
+        err = _error(capsys, [*RUN[:4], "6", *RUN[5:], "--run-dir", str(run_dir), "--resume"])
+        assert "config.yaml that cannot be read" in err and str(run_dir / "config.yaml") in err

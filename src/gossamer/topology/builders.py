@@ -77,9 +77,18 @@ def _grouped(n: int, groups: Iterable[Sequence[int]]) -> Phase:
     return phase
 
 
+#: The most nodes :func:`complete` builds: it holds n * n weights.
+MAX_COMPLETE = 4096
+
+
 def complete(n: int) -> Topology:
-    """Everyone sends to everyone with weight ``1/n``: one step averages exactly."""
+    """Everyone sends to everyone with weight ``1/n``: one step averages exactly. At most
+    :data:`MAX_COMPLETE` nodes (n * n weights)."""
     n = _check_n(n)
+    if n > MAX_COMPLETE:
+        raise ValueError(f"n={n} is too many for the complete topology: it holds n * n = "
+                         f"{n * n:,} weights; at most {MAX_COMPLETE} nodes (a sparse topology "
+                         "such as exponential scales further)")
     w = 1.0 / n
     return Topology("complete", n, [[{j: w for j in range(n)} for _ in range(n)]])
 

@@ -17,12 +17,15 @@ __all__ = ["add_arguments", "run"]
 _MAX_PHASES = 16
 _MAX_RANKS = 32
 _MAX_MATRIX_N = 16
+#: The most workers described: the spectral gap is computed from dense n x n matrices.
+MAX_WORKERS = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``topology`` subcommand's arguments to ``parser``."""
     parser.add_argument("name", help=f"the topology: one of {', '.join(TOPOLOGIES)}")
-    parser.add_argument("--workers", type=int, required=True, help="number of workers")
+    parser.add_argument("--workers", type=int, required=True,
+                        help=f"number of workers (at most {MAX_WORKERS})")
     parser.add_argument("--peers-per-step", type=int, default=None, help="exponential only")
     parser.add_argument("--group-size", type=int, default=None, help="butterfly_groups only")
     parser.add_argument("--degree", type=int, default=None, help="random_regular only")
@@ -67,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
     # Only the flags actually given are passed, so build() can reject ones the topology lacks.
     keys = ("peers_per_step", "group_size", "degree", "seed")
     options = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if args.workers > MAX_WORKERS:  # before building anything of n x n size
+        raise ValueError(f"--workers {args.workers} is more than gossamer topology describes: "
+                         f"at most {MAX_WORKERS} (its spectral gap comes from dense n x n "
+                         "matrices)")
     topo = build(args.name, args.workers, **options)
     print("\n".join(_describe(topo)))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import types
 import typing
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
@@ -404,14 +405,26 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     import yaml
 
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a directory, not a YAML file")
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:
-        with path.open() as f:
+        with path.open(encoding="utf-8") as f:
             data = yaml.safe_load(f) or {}
+    except yaml.constructor.ConstructorError as error:
+        # a tag such as !!python/object/apply: recipes are plain data, nothing is constructed
+        raise ValueError(f"config file {str(path)!r} is refused: {error.problem} (a recipe "
+                         "holds plain YAML values only)") from None
     except yaml.YAMLError as error:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: "
-                         f"{str(error).splitlines()[0]}") from None
+                         f"{' '.join(str(error).split())}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte "
+                         f"{error.object[error.start]:#04x} at offset {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"config file {str(path)!r} cannot be read: "
+                         f"{error.strerror or error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings")
     for key in list(data):
@@ -437,6 +450,8 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                 () if value is None else (value,))
     hints = typing.get_type_hints(TrainConfig)
     for key, value in data.items():
+        if key in hints:
+            _check_recipe_type(path, key, value, hints[key])
         # YAML reads 1e-3 as a string: numbers are taken in any spelling float() accepts
         if key in hints and hints[key] is float and key != "bandwidth" and isinstance(
                 value, (str, int)) and not isinstance(value, bool):
@@ -447,6 +462,31 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                     f"config file {str(path)!r}: {key} must be a number, got {value!r}"
                 ) from None
     return data
+
+
+_TYPE_NAMES = {str: "a string", bool: "true or false", int: "an integer"}
+
+
+def _check_recipe_type(path: Path, key: str, value: Any, hint: Any) -> None:
+    """A recipe's string, boolean and list settings must be of that type (numbers are checked,
+    and converted, by the fields' own checks): ValueError naming the file and the key."""
+    def fits(v: Any, tp: Any) -> bool:
+        return isinstance(v, tp) and (tp is bool or not isinstance(v, bool))
+
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        bad = [v for v in value if item in _TYPE_NAMES and not fits(v, item)]
+        if bad:
+            raise ValueError(f"config file {str(path)!r}: each of {key} must be "
+                             f"{_TYPE_NAMES[item]}, got {bad[0]!r}")
+        return
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None:
+            return
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    if hint in _TYPE_NAMES and not fits(value, hint) and hint is not int:
+        raise ValueError(f"config file {str(path)!r}: {key} must be {_TYPE_NAMES[hint]}, got "
+                         f"{value!r}")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser,

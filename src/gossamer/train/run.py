@@ -32,6 +32,8 @@ launched_by_launcher = launched
 def prepare(config: TrainConfig) -> Dataset:
     """Check everything that can be checked before any worker starts; load the data."""
     config.check_mode(simulated=config.sim > 0)
+    if config.run_dir:
+        _check_run_dir(Path(config.run_dir))
     if config.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -44,6 +46,16 @@ def prepare(config: TrainConfig) -> Dataset:
     dataset = load_dataset(config.dataset, seed=0, path=config.data_path, **options)
     build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     return dataset
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """``run_dir`` is a directory, or can be made one: neither it nor a parent is a file."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                where = "is" if path == run_dir else f"is under {str(path)!r}, which is"
+                raise ValueError(f"run_dir {str(run_dir)!r} {where} a file, not a directory")
+            return
 
 
 # Settings that may differ between a run and its resumption: they change no trajectory, except
@@ -68,7 +80,7 @@ def _check_same_settings(config: TrainConfig) -> None:
         return
     try:  # config.yaml holds the model resolved from auto: a field like any other
         started = TrainConfig(**load_recipe(path)).as_dict()
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         raise ValueError(f"resume: run_dir {config.run_dir!r} has a config.yaml that cannot "
                          f"be read ({error}); start a new run_dir") from None
     now = {**config.as_dict(), "model": resolve_model(config)}
@@ -98,7 +110,11 @@ def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> No
     import yaml
 
     run_dir = Path(config.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"run_dir {str(run_dir)!r} cannot be made: "
+                         f"{error.strerror or error}") from None
     pointer = run_dir / "checkpoints" / "latest"
     if pointer.is_file():
         # so that an elastic restart (or --resume) of this run never resumes the earlier one
