@@ -129,3 +129,28 @@ def test_a_damaged_config_yaml_on_resume_is_an_error_naming_it(tmp_path, capsys)
         (run_dir / "config.yaml").write_bytes(content)
         err = _error(capsys, [*RUN[:4], "6", *RUN[5:], "--run-dir", str(run_dir), "--resume"])
         assert "config.yaml that cannot be read" in err and str(run_dir / "config.yaml") in err
+
+
+# --------------------------------------------------------- 4: messages that say what to do
+
+
+def test_a_model_that_does_not_fit_the_data_set_names_model_and_dataset(tmp_path, capsys):
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--model", "transformer"])
+    assert "--model transformer needs a token data set" in err and "--dataset text" in err
+    assert "--dataset digits" in err and "indices" not in err
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--dataset", "text",
+                          "--data-path", str(text), "--model", "mlp", "--batch-size", "2"])
+    assert "--model mlp needs features" in err and "--dataset text" in err
+
+
+def test_a_text_file_that_is_not_utf8_is_an_error_naming_it(tmp_path, capsys):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(256)) * 8)
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--dataset", "text",
+                          "--data-path", str(binary)])
+    assert f"text file {binary} is not UTF-8 text" in err and "codec" not in err
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--dataset", "text",
+                          "--data-path", str(tmp_path)])
+    assert f"text file {tmp_path} is a directory" in err

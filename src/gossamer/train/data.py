@@ -358,9 +358,17 @@ def load_text(path: str | Path, *, block_size: int = 64, val_fraction: float = 0
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"text file {path} is a directory: the text data set reads one "
+                         "plain-text file")
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"text file {path} is not UTF-8 text (byte "
+                         f"{error.object[error.start]:#04x} at offset {error.start}): the text "
+                         "data set reads a plain-text file") from None
     vocab = "".join(sorted(set(text)))
     index = {ch: i for i, ch in enumerate(vocab)}
     codes = np.fromiter((index[ch] for ch in text), dtype=np.int64, count=len(text))

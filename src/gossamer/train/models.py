@@ -282,6 +282,24 @@ def is_sequence_model(name: str) -> bool:
     return _REGISTRY[name][2]
 
 
+def check_model_input(name: str, dtype: torch.dtype, dataset: str) -> None:
+    """A built-in model must fit its data set's inputs: the transformer reads token ids
+    (integers, ``--dataset text``), the others features (floating point). A ValueError naming
+    ``--model`` and ``--dataset`` otherwise; a model of the user's own is not checked."""
+    if is_factory(name):
+        return
+    _check_name(name)
+    tokens = not dtype.is_floating_point
+    if is_sequence_model(name) and not tokens:
+        raise ValueError(f"--model {name} needs a token data set (integer token ids) such as "
+                         f"--dataset text; --dataset {dataset} holds features ({dtype}): "
+                         "choose another --model (auto: the data set's usual one) or --dataset")
+    if not is_sequence_model(name) and tokens:
+        raise ValueError(f"--model {name} needs features, but --dataset {dataset} holds token "
+                         f"ids ({dtype}): choose a sequence model such as --model transformer "
+                         "(auto: the data set's usual one)")
+
+
 def build_user_model(
     spec: str, input_shape: Sequence[int], num_classes: int, **options
 ) -> nn.Module:

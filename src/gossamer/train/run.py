@@ -18,7 +18,7 @@ from gossamer.comm.environment import launched
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
-from gossamer.train.models import build_model, resolve_model
+from gossamer.train.models import build_model, check_model_input, resolve_model
 
 __all__ = ["check_resume", "check_shards", "elastic_restart", "finished_run",
            "launched_by_launcher", "prepare", "run_training"]
@@ -44,6 +44,7 @@ def prepare(config: TrainConfig) -> Dataset:
     # The evaluation split does not depend on the run's seed: runs of different seeds are
     # scored on the same examples.
     dataset = load_dataset(config.dataset, seed=0, path=config.data_path, **options)
+    check_model_input(resolve_model(config), dataset.x_train.dtype, config.dataset)
     build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     return dataset
 
