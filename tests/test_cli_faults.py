@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from gossamer.cli import main
@@ -154,3 +155,36 @@ def test_a_text_file_that_is_not_utf8_is_an_error_naming_it(tmp_path, capsys):
     err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--dataset", "text",
                           "--data-path", str(tmp_path)])
     assert f"text file {tmp_path} is a directory" in err
+
+
+# ------------------------------------- 4 and 5: resuming without the run's recorded settings
+
+
+def test_resuming_without_config_yaml_is_refused_whatever_the_settings(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "--run-dir", str(run_dir)]) == 0
+    capsys.readouterr()
+    (run_dir / "config.yaml").unlink()
+    before = (run_dir / "metrics.jsonl").read_text()
+    again = [*RUN[:4], "8", *RUN[5:], "--run-dir", str(run_dir), "--resume"]
+    # another algorithm (its state does not fit: KeyError 'weight' before), another learning
+    # rate (silently continued before), and the same settings: none can be checked
+    for extra in (["--algorithm", "sgp"], ["--lr", "0.1"], []):
+        err = _error(capsys, [*again, *extra])
+        assert f"run_dir {str(run_dir)!r} has no config.yaml" in err
+        assert "KeyError" not in err
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_a_finished_run_whose_last_checkpoint_is_damaged_resumes_as_before(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main([*RUN, "--run-dir", str(run_dir)]) == 0
+    capsys.readouterr()
+    last = run_dir / "checkpoints" / "step-00000004" / "rank-00001.pt"
+    last.write_bytes(last.read_bytes()[:-10])
+    assert finished_run(TrainConfig(sim=2, steps=4, run_dir=str(run_dir), resume=True)) is None
+    with pytest.warns(UserWarning, match="falling back"):  # to step 2, and trains to 4 again
+        assert main([*RUN, "--run-dir", str(run_dir), "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert "already complete" not in err and "nan" not in out
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4

@@ -67,7 +67,7 @@ _FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers
 
 
 def check_resume(config: TrainConfig) -> None:
-    """A resumed run must have a checkpoint and the settings it was started with."""
+    """A resumed run must have a checkpoint, and the settings its config.yaml records."""
     if not ckpt.checkpoint_candidates(config.run_dir):
         raise ValueError(f"run_dir {config.run_dir!r} has no checkpoint to resume from")
     _check_same_settings(config)
@@ -78,7 +78,11 @@ def _check_same_settings(config: TrainConfig) -> None:
     change on resume)."""
     path = Path(config.run_dir) / "config.yaml"
     if not path.is_file():
-        return
+        # its settings are known from nowhere else: another algorithm or learning rate would
+        # load a state it does not fit, or silently continue another run
+        raise ValueError(f"resume: run_dir {config.run_dir!r} has no config.yaml, the settings "
+                         "its run was started with, so this run's cannot be checked against "
+                         "them; put config.yaml back, or start a new run_dir")
     try:  # config.yaml holds the model resolved from auto: a field like any other
         started = TrainConfig(**load_recipe(path)).as_dict()
     except (ValueError, TypeError) as error:
@@ -167,10 +171,10 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
     complete and this one (``--resume``, or an elastic restart) would only repeat its end; None
     when there is training left to do.
 
-    Complete: the newest checkpoint is of the last step (a restarted run without checkpoints:
-    metrics.jsonl ends with the summary of the last step, and config.yaml holds these
-    settings). A summary lost to a crash after the last checkpoint is rebuilt from the last
-    step's evaluation and written. A checkpoint beyond ``steps`` is a ValueError.
+    Complete: the newest checkpoint is of the last step and verifies (a restarted run without
+    checkpoints: metrics.jsonl ends with the summary of the last step, and config.yaml holds
+    these settings). A summary lost to a crash after the last checkpoint is rebuilt from the
+    last step's evaluation and written. A checkpoint beyond ``steps`` is a ValueError.
     """
     from gossamer.loggers import read_lines
 
@@ -185,6 +189,10 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
         if step > config.steps:
             raise ValueError(f"resume: run_dir {str(run_dir)!r} was trained to step {step}, "
                              f"beyond steps={config.steps}; pass --steps {step} or more")
+        try:
+            ckpt.verify_checkpoint(candidates[0])
+        except ValueError:  # damaged: resuming falls back to an earlier one, or says why not
+            return None
     elif config.resume or not _restart_count(config, environ):
         return None
     elif not (records and records[-1].get("kind") == "summary"
