@@ -188,3 +188,17 @@ def test_a_finished_run_whose_last_checkpoint_is_damaged_resumes_as_before(tmp_p
     out, err = capsys.readouterr()
     assert "already complete" not in err and "nan" not in out
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+
+
+# ----------------------------------------------------------------- 5: accepted in silence
+
+
+def test_a_cosine_floor_above_the_learning_rate_is_refused_naming_both(tmp_path, capsys):
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--schedule", "cosine",
+                          "--min-lr", "5"])
+    assert "min_lr=5.0 is above lr=0.05" in err and "--min-lr" in err and "--lr" in err
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("schedule: cosine\nlr: 0.01\nmin_lr: 0.02\n")
+    err = _error(capsys, ["train", "--sim", "2", "--steps", "2", "--config", str(recipe)])
+    assert "min_lr=0.02 is above lr=0.01" in err
+    assert TrainConfig(schedule="cosine", lr=0.1, min_lr=0.1).min_lr == 0.1  # flat: allowed

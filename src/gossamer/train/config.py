@@ -158,6 +158,10 @@ class TrainConfig:
                      "compute_time", "jitter"):
             if math.isinf(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is above lr={self.lr}: the cosine schedule "
+                             "would raise the learning rate from lr to min_lr; give --min-lr at "
+                             "most --lr")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
