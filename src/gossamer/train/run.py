@@ -179,8 +179,6 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
     from gossamer.loggers import read_lines
 
     run_dir = Path(config.run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in read_lines(metrics_path)]
     candidates = ckpt.checkpoint_candidates(run_dir) if config.resume else []
     if candidates:
         step = ckpt.checkpoint_step(candidates[0])
@@ -195,10 +193,12 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
             return None
     elif config.resume or not _restart_count(config, environ):
         return None
-    elif not (records and records[-1].get("kind") == "summary"
-              and records[-1].get("step") == config.steps):
-        return None  # a restart before the end of a run without checkpoints starts over
-    else:
+    metrics_path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in read_lines(metrics_path)]
+    if not candidates:
+        if not (records and records[-1].get("kind") == "summary"
+                and records[-1].get("step") == config.steps):
+            return None  # a restart before the end of a run without checkpoints starts over
         try:
             _check_same_settings(config)
         except ValueError:
