@@ -62,6 +62,26 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
+def _torch_powersgd(matrix: torch.Tensor, rank: int):
+    """One worker's compute in torch's PowerSGD DDP hook (``powerSGD_hook``, a tensor it
+    compresses, without the all-reduces and the error feedback): ``P = M Q``, P orthogonalized
+    (its Gram-Schmidt for rank <= 2), ``Q = M^T P``, and ``P Q^T`` written into the bucket's
+    buffer (``out=``, as the hook writes into the gradient), from a fixed normal ``Q``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+
+    n, m = matrix.shape
+    q0 = torch.randn(m, rank, generator=torch.Generator().manual_seed(0))
+    p, q, out = torch.empty(n, rank), q0.clone(), torch.empty_like(matrix)
+
+    def run() -> None:
+        q.copy_(q0)
+        torch.matmul(matrix, q, out=p)
+        _orthogonalize(p.unsqueeze(0))
+        torch.matmul(matrix.t(), p, out=q)
+        torch.matmul(p, q.t(), out=out)
+    return run
+
+
 def speed(args: argparse.Namespace, results: Results) -> None:
     from gossamer.compress import QSGD, DGCCompressor, PowerSGD, RandomK, TopK
 
@@ -79,18 +99,21 @@ def speed(args: argparse.Namespace, results: Results) -> None:
         q = powersgd.next_round(p, "g")
         powersgd.decompress_sum(q, "g")
 
+    torch_powersgd = _torch_powersgd(matrix, rank=2)
+
     methods = {
         "dgc": lambda: dgc.compress(x, "g"),
         "topk": lambda: topk.compress(x, "g"),
         "randomk": lambda: randomk.compress(x, "g"),
         "qsgd": lambda: qsgd.compress(x, "g"),
         "powersgd": powersgd_round,
+        "torch-powersgd": torch_powersgd,
     }
     methods = {name: fn for name, fn in methods.items() if name in args.methods}
     floor = lambda: torch.aminmax(x)  # noqa: E731 - read every element once, write nothing
     times: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
     cpu: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
-    slow = {"topk", "qsgd", "powersgd"}  # seconds each: fewer repetitions
+    slow = {"topk", "powersgd", "torch-powersgd"}  # seconds each: fewer repetitions
     for fn in [floor, *methods.values()]:  # warm-up: allocations, workspaces
         fn()
     for rep in range(args.reps):
@@ -123,6 +146,12 @@ def speed(args: argparse.Namespace, results: Results) -> None:
                                        / rows["dgc"]["cpu_median_ms"])
         print(f"exact top-k / DGC: {result['topk_over_dgc_median']:.1f}x (median), "
               f"{result['topk_over_dgc_min']:.1f}x (min)")
+    if "powersgd" in rows and "torch-powersgd" in rows:
+        for stat in ("median_ms", "min_ms", "cpu_median_ms"):
+            result[f"powersgd_over_torch_{stat}"] = (rows["powersgd"][stat]
+                                                     / rows["torch-powersgd"][stat])
+        print(f"PowerSGD / torch's PowerSGD: {result['powersgd_over_torch_median_ms']:.2f}x "
+              f"(median), {result['powersgd_over_torch_min_ms']:.2f}x (min)")
     if selection is not None:
         result["dgc_selection"] = vars(selection)
         print(f"DGC selected {selection.selected} of target {selection.target} "
@@ -277,10 +306,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = sub.add_parser("speed")
     s.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     s.add_argument("--reps", type=int, default=30)
-    s.add_argument("--slow-reps", type=int, default=5, help="repetitions of top-k, QSGD, "
-                   "PowerSGD (seconds each)")
+    s.add_argument("--slow-reps", type=int, default=5, help="repetitions of top-k and "
+                   "the two PowerSGDs (slow ones)")
     s.add_argument("--methods", nargs="+", default=["dgc", "topk", "randomk", "qsgd",
-                                                    "powersgd"])
+                                                    "powersgd", "torch-powersgd"])
     s.add_argument("--name", default="compress_speed", help="result file name")
     b = sub.add_parser("bytes")
     b.add_argument("--workers", type=int, nargs="+", default=[8])

@@ -41,7 +41,7 @@ from gossamer.compress import (
     warmup_density,
 )
 from gossamer.compress.payloads import pack_bytes, unpack_bytes
-from gossamer.compress.qsgd import pack_codes, unpack_codes
+from gossamer.compress.qsgd import CHUNK, DITHER_PERIOD, dither, pack_codes, unpack_codes
 
 SEED = 1234
 
@@ -127,6 +127,41 @@ def test_qsgd_error_bound_and_unbiased():
     level = float(payload.norms.max()) / 7
     assert (total / draws - x).abs().max() < 6 * level / (2 * math.sqrt(draws))
     assert (total / draws - x).norm() < 0.15 * (y - x).norm()
+
+
+def test_qsgd_draws_are_uniform_and_distinct_within_a_period():
+    g = torch.Generator().manual_seed(3)
+    u = dither(10 * DITHER_PERIOD, g)
+    assert u.numel() == DITHER_PERIOD and u.dtype == torch.float64
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    # one draw in each 1/p of [0, 1): a permutation, shifted by one amount
+    cells = torch.floor(u * DITHER_PERIOD).long()
+    assert torch.equal(torch.sort(cells).values, torch.arange(DITHER_PERIOD))
+    assert dither(5, g).numel() == 5
+    # each position's draw is uniform over calls
+    first = torch.tensor([float(dither(1000, g)[7]) for _ in range(4000)])
+    assert abs(float(first.mean()) - 0.5) < 0.015
+    assert abs(float((first < 0.25).float().mean()) - 0.25) < 0.02
+
+
+@pytest.mark.parametrize("levels", [7, 127, 1000])
+def test_qsgd_across_chunks_matches_the_papers_quantizer(levels):
+    """A tensor of several chunks whose last bucket is partial, against the oracle's Q_s in
+    float64: every element on the same level, but for float32's rounding next to a level's
+    edge (one level, very rarely)."""
+    from tests.oracles.compression import qsgd as oracle_qsgd
+
+    n = CHUNK + 3 * DITHER_PERIOD + 700
+    x = torch.randn(n, generator=_gen()) * torch.linspace(0.1, 3, n)
+    compressor = QSGD(levels=levels, bucket_size=512)
+    mine = compressor.decompress(compressor.compress(x, "w"), "w")
+    sent, _ = oracle_qsgd(levels, 512, seed=0)("w", 0, [x])
+    step = torch.cat([torch.full((512,), float(v)) for v in
+                      torch.linalg.vector_norm(torch.cat([x, x.new_zeros(-n % 512)]).view(-1, 512),
+                                               dim=1)])[:n] / levels
+    off = ((mine - sent[0]).abs() / step).round()
+    assert float(off.max()) <= 1
+    assert int((off > 0).sum()) <= n * 1e-4
 
 
 @pytest.mark.parametrize("levels", [1, 7, 127, 1000])

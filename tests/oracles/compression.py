@@ -171,23 +171,32 @@ def random_k(ratio: float, seed: int) -> Exchange:
 
 
 def qsgd(levels: int, bucket_size: int, seed: int) -> Exchange:
-    """QSGD's stochastic quantizer ``Q_s`` on buckets of ``bucket_size`` entries; worker w's
-    uniform draws from ``(seed, name, step, w)``, one per entry of the zero-padded buckets."""
+    """QSGD's stochastic quantizer ``Q_s`` (Alistarh et al. 2017, eq. 2) on buckets of
+    ``bucket_size`` entries: ``Q_s(v_i) = ||v|| sgn(v_i) xi_i / s`` with
+    ``xi_i = l + 1`` with probability ``r - l`` (``r = s |v_i| / ||v||``, ``l = floor(r)``), else
+    ``l``. Written signed: ``sgn(v_i) xi_i = floor(s v_i / ||v|| + u_i)`` for ``u_i`` uniform on
+    [0, 1) (for ``v_i >= 0`` it exceeds ``l`` when ``u_i >= 1 - (r - l)``, for ``v_i < 0`` when
+    ``u_i < r - l``: probability ``r - l`` either way). Worker w's ``u_i`` from
+    ``(seed, name, step, w)``: a random permutation ``pi`` of ``0..p-1`` and a shift ``v``, in that
+    order, ``u_i = (pi(i mod p) + v) / p`` with ``p = min(entries, 2^16)``."""
     s = levels
 
     def quantize(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         flat = p.reshape(-1)
-        buckets = max(1, math.ceil(flat.numel() / bucket_size))
-        rows = torch.zeros(buckets * bucket_size, dtype=flat.dtype)
-        rows[: flat.numel()] = flat
-        rows = rows.view(buckets, bucket_size)
-        norms = torch.linalg.vector_norm(rows, dim=1, keepdim=True)
-        r = torch.where(norms > 0, s * rows.abs() / norms, torch.zeros_like(rows))
-        low = r.floor()
-        draws = torch.rand(rows.shape, generator=generator).to(torch.float64)
-        xi = (low + (draws < r - low).to(torch.float64)).clamp(max=s) / s  # l/s or (l+1)/s
-        values = norms * rows.sign() * xi
-        return values.reshape(-1)[: flat.numel()].view_as(p)
+        n = flat.numel()
+        period = max(1, min(n, 2**16))
+        perm = torch.randperm(period, generator=generator, dtype=torch.float64)
+        shift = torch.rand((), generator=generator, dtype=torch.float64)
+        u = ((perm + shift) / period).repeat(math.ceil(n / period))[:n]
+        values = torch.zeros(n, dtype=torch.float64)
+        for first in range(0, n, bucket_size):
+            v = flat[first:first + bucket_size].to(torch.float64)
+            norm = torch.linalg.vector_norm(v)
+            if norm == 0:
+                continue
+            signed = torch.floor(s * v / norm + u[first:first + bucket_size]).clamp(-s, s)
+            values[first:first + bucket_size] = norm * signed / s
+        return values.to(p.dtype).view_as(p)
 
     def exchange(name: str, step: int, ps: list[torch.Tensor]):
         sent = [quantize(p, seeded_generator(seed, name, step, w)) for w, p in enumerate(ps)]

@@ -6,6 +6,17 @@ level ``l`` in ``{-s..s}``: with ``r = s |x_i| / ||x||``, ``|l| = floor(r)`` or 
 with probability ``r - floor(r)``. The decoded ``||x|| l / s`` is unbiased, each element is off
 by less than ``||x|| / s``, and the variance is at most ``min(d / s^2, sqrt(d) / s) ||x||^2``.
 
+The rounding is computed signed, as ``l = floor(s x_i / ||x|| + u_i)`` with ``u_i`` uniform on
+[0, 1): for ``x_i >= 0`` it rounds ``r`` up when ``u_i >= 1 - frac(r)``, for ``x_i < 0`` when
+``u_i < frac(r)``, each with probability ``frac(r)``, so ``l`` has exactly the distribution of the
+paper's ``sgn(x_i) |l|`` (unbiased, the same variance). The draws: ``u_i = (pi(i mod p) + v) / p``
+for a random permutation ``pi`` of ``0..p-1`` (``p = min(numel, 2^16)``) and a random shift ``v``
+in [0, 1), fresh at every call. Each ``u_i`` is uniform on [0, 1) as in the paper; unlike the
+paper's, the draws are not independent (positions ``2^16`` apart share one, nearer ones are
+distinct), which changes neither the expectation nor the variance of any element, so neither the
+paper's unbiasedness nor its variance bound, and costs 2^16 draws instead of one per element.
+The tensor is quantized in chunks that stay in the CPU's cache.
+
 Levels are packed at 2, 4, 8 or 16 bits (the fewest that hold ``2 s + 1`` values): ``s = 1``
 costs 2 bits per element, ``s <= 7`` 4 bits, ``s <= 127`` 8 bits. Payloads differ between
 workers (their norms), so they are all-gathered. Rounding is seeded per worker.
@@ -29,6 +40,18 @@ from gossamer.compress.payloads import Payload, QuantizedPayload
 from gossamer.options import option
 
 MAX_LEVELS = 2**15 - 1  # 2 s + 1 values must fit in 16 bits
+DITHER_PERIOD = 1 << 16  # positions this far apart share a uniform draw
+CHUNK = 1 << 18  # elements quantized at a time (1 MiB of float32): its passes stay in cache
+
+
+def dither(numel: int, generator: torch.Generator) -> torch.Tensor:
+    """The uniform draws of QSGD's rounding, float64: ``(pi(i) + v) / p`` for ``i < p``,
+    ``p = min(numel, 2^16)``, ``pi`` a random permutation of ``0..p-1`` and ``v`` a random shift
+    in [0, 1) (drawn in that order from ``generator``). Position ``i`` uses draw ``i mod p``."""
+    period = max(1, min(numel, DITHER_PERIOD))
+    perm = torch.randperm(period, generator=generator, dtype=torch.float64)
+    shift = torch.rand((), generator=generator, dtype=torch.float64)
+    return perm.add_(shift).div_(period)
 
 
 def code_bits(levels: int) -> int:
@@ -102,20 +125,36 @@ class QSGD(Compressor):
     def compress(self, tensor: torch.Tensor, key: str) -> QuantizedPayload:
         flat = tensor.detach().reshape(-1).to(value_dtype(tensor.dtype))
         numel, d, s = flat.numel(), self.bucket_size, self.levels
-        buckets = max(1, math.ceil(numel / d))
-        padded = torch.zeros(buckets * d, dtype=flat.dtype, device=flat.device)
-        padded[:numel] = flat
-        rows = padded.view(buckets, d)
-        norms = torch.linalg.vector_norm(rows, dim=1)
-        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        level = rows.abs().mul_(scale.unsqueeze(1))  # in [0, s]
-        floor = level.floor()
+        norms = flat.new_zeros(max(1, math.ceil(numel / d)))
+        codes = torch.empty(numel, dtype=torch.uint8 if self.bits <= 8 else torch.int16,
+                            device=flat.device)
         generator = self.generator(key, torch.device("cpu"), per_worker=True)
-        noise = torch.rand(level.shape, generator=generator).to(flat.device, flat.dtype)
-        floor += (noise < level - floor).to(floor.dtype)  # round up with prob. frac
-        codes = (floor.clamp_(max=s) * rows.sign()).reshape(-1)[:numel] + s  # in [0, 2 s]
-        return QuantizedPayload(norms, pack_codes(codes.to(torch.int32), self.bits),
-                                self.bits, numel, tensor.shape)
+        draws = dither(numel, generator)
+        period = draws.numel()
+        # s + u_i, repeated so that any chunk reads its draws as one slice
+        chunk = d * max(1, CHUNK // d)
+        offset = (draws + s).to(flat.device, flat.dtype).repeat(-(-(period + chunk) // period))
+        work = flat.new_empty(chunk)
+        whole = torch.empty(chunk, dtype=torch.int32, device=flat.device)
+        for start in range(0, numel, chunk):
+            stop = min(start + chunk, numel)
+            size, part = stop - start, flat[start:stop]
+            buckets = -(-size // d)
+            if size % d:  # the last bucket, zero-padded
+                part = torch.cat([part, part.new_zeros(buckets * d - size)])
+            rows = part.view(buckets, d)
+            first = start // d
+            mine = norms[first:first + buckets]
+            torch.linalg.vector_norm(rows, dim=1, out=mine)
+            scale = torch.where(mine > 0, s / mine, torch.zeros_like(mine))
+            level = work[:buckets * d]
+            torch.mul(rows, scale.unsqueeze(1), out=level.view(buckets, d))  # in [-s, s]
+            level = level[:size].add_(offset[start % period:start % period + size])
+            level.clamp_(0, 2 * s)  # s x / |x| + s + u, floored below: a code in [0, 2 s]
+            whole[:size].copy_(level)  # truncation: the floor of a non-negative number
+            codes[start:stop].copy_(whole[:size])
+        return QuantizedPayload(norms, pack_codes(codes, self.bits), self.bits, numel,
+                                tensor.shape)
 
     def decompress(self, payload: Payload, key: str) -> torch.Tensor:
         assert isinstance(payload, QuantizedPayload)
