@@ -3,9 +3,10 @@ keeps what was not sent, and the two are composed in one place
 (:class:`~gossamer.compress.reducer.CompressedReducer`): compensate, compress, send, update.
 
 A compressor declares how its payloads aggregate, ``"allreduce"`` (dense or low-rank payloads,
-whose sum is the payload of the sum) or ``"allgather"`` (sparse or quantized payloads, which
-every worker decompresses and adds), and the combination is checked when it is built
-(:func:`resolve_aggregation`), not left to prose.
+whose sum is the payload of the sum), ``"allgather"`` (sparse or quantized payloads, which
+every worker decompresses and adds) or ``"sparse_allreduce"`` (top-k and DGC's payloads,
+reduced by regions and re-selected: :mod:`gossamer.compress.sparse_allreduce`), and the
+combination is checked when it is built (:func:`resolve_aggregation`), not left to prose.
 
 Compressors and memories are frozen keyword-only dataclasses: the fields are the
 configuration, checked on construction; the per-tensor state (residuals, PowerSGD's factors)
@@ -34,8 +35,8 @@ import torch
 
 from gossamer.compress.payloads import Payload
 
-Aggregation = Literal["allreduce", "allgather"]
-AGGREGATIONS: tuple[Aggregation, ...] = ("allreduce", "allgather")
+Aggregation = Literal["allreduce", "allgather", "sparse_allreduce"]
+AGGREGATIONS: tuple[Aggregation, ...] = ("allreduce", "allgather", "sparse_allreduce")
 
 
 def value_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -173,6 +174,11 @@ def resolve_aggregation(compressor: Compressor, aggregation: str | None) -> Aggr
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)} or None, "
                          f"got {aggregation!r}")
+    if aggregation == "sparse_allreduce" and aggregation not in compressor.aggregations:
+        raise ValueError(
+            f"aggregation='sparse_allreduce' needs a compressor that selects entries by "
+            f"magnitude (TopK, DGCCompressor), got {type(compressor).__name__}; it supports: "
+            f"{', '.join(compressor.aggregations)}")
     if aggregation not in compressor.aggregations:
         kind = "sparse or quantized" if "allgather" in compressor.aggregations else "low-rank"
         raise ValueError(

@@ -145,7 +145,7 @@ class DGCCompressor(SparseCompressor):
         seed: seeds the sample offsets (default 0).
     """
 
-    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
+    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather", "sparse_allreduce")
 
     ratio: float = option(0.001, "density: fraction of each tensor sent, in (0, 1]; lower: "
                           "fewer bytes, more gradient delayed")
@@ -179,6 +179,10 @@ class DGCCompressor(SparseCompressor):
         """The density of ``step`` (default: the current step), warm-up included."""
         return warmup_density(self.ratio, self.step if step is None else step,
                               self.warmup_steps, self.warmup_stages)
+
+    def target_count(self, numel: int) -> int:
+        """k of a tensor of ``numel`` elements at the current step (warm-up included)."""
+        return selected_count(self.density(), numel)
 
     @property
     def last_selection(self) -> Selection | None:

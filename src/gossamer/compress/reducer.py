@@ -8,6 +8,10 @@ thing. For each bucket of tensors it makes one collective per round:
 - ``"allgather"``: the payloads are packed into one uint8 tensor (an int32 header of their
   lengths, then their bytes) and all-gathered, sizes differing per worker (a worker that
   selects nothing sends only the header); each worker decodes and adds everyone's.
+- ``"sparse_allreduce"`` (top-k, DGC): a partitioned sparse reduce-scatter over
+  point-to-point exchanges, a re-selection by each region's owner, and an all-gather of the
+  kept sums: about two payloads per worker whatever the world size; the entries the owners
+  drop stay in the memory (:mod:`gossamer.compress.sparse_allreduce`).
 
 Tensors the compressor does not take (DGC's and PowerSGD's biases...) are all-reduced dense in
 float32 (float64 for a float64 model, see :func:`~gossamer.compress.base.value_dtype`). Every
@@ -32,7 +36,15 @@ from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation, value_dtype
 from gossamer.compress.cast import NoCompression
-from gossamer.compress.payloads import DensePayload, Payload, pack_bytes, unpack_bytes
+from gossamer.compress.payloads import (
+    DensePayload,
+    Payload,
+    SparsePayload,
+    pack_bytes,
+    unpack_bytes,
+)
+from gossamer.compress.sparse import SparseCompressor
+from gossamer.compress.sparse_allreduce import all_gather_with_flags, sparse_allreduce
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -63,8 +75,9 @@ class CompressedReducer:
         compressor: the compressor; this reducer uses its own copy
             (:meth:`~gossamer.compress.Compressor.for_worker`).
         memory: error feedback or DGC's memory (a copy is used), or None (default).
-        aggregation: ``"allreduce"``, ``"allgather"``, or None (default: the compressor's
-            first); a combination the compressor does not support is a ValueError.
+        aggregation: ``"allreduce"``, ``"allgather"``, ``"sparse_allreduce"`` (top-k and DGC),
+            or None (default: the compressor's first); a combination the compressor does not
+            support is a ValueError.
         node_size: ranks per node for hierarchical aggregation (default 1: flat); must divide
             the world size.
         bucket_bytes: float32 bytes of the tensors that one collective carries at most
@@ -110,6 +123,7 @@ class CompressedReducer:
         # statistics: this worker's own payload bytes (not the ring's forwarding)
         self.payload_bytes = 0  # compressed tensors, headers included
         self.dense_bytes = 0  # tensors all-reduced dense across nodes
+        self.kept_entries = 0  # sparse_allreduce: entries the owners kept, every owner's
         # flags summed along with the step's first collective of each stage (see reduce)
         self._rider: torch.Tensor | None = None
         self._rider_stages: list[Communicator] = []
@@ -163,6 +177,8 @@ class CompressedReducer:
         for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
             if self.aggregation == "allreduce":
                 results = self._all_reduce(run)
+            elif self.aggregation == "sparse_allreduce":
+                results = self._sparse_all_reduce(run)
             else:
                 results = self._all_gather(run)
             for (key, _), mean in zip(run, results, strict=True):
@@ -204,14 +220,7 @@ class CompressedReducer:
         payloads = [compressor.compress(c, key) for key, c in run]
         packed = pack_bytes(payloads)
         self.payload_bytes += packed.numel()
-        rider = self._take_rider(cross)
-        if rider is not None:
-            packed = torch.cat([packed, rider.reshape(-1).view(torch.uint8)])
-        gathered = cross.all_gather(packed)
-        if rider is not None:  # every worker's flags ended its bytes
-            tail = rider.numel() * rider.element_size()
-            rider.copy_(sum(data[-tail:].clone().view(rider.dtype) for data in gathered))
-            gathered = [data[:-tail] for data in gathered]
+        gathered = all_gather_with_flags(cross, packed, self._take_rider(cross))
         self._update(run, payloads)
         outs = [torch.zeros(c.numel(), dtype=value_dtype(c.dtype), device=c.device)
                 for _, c in run]
@@ -220,6 +229,19 @@ class CompressedReducer:
             for payload, (key, _), out in zip(theirs, run, outs, strict=True):
                 compressor.decompress_add(payload, key, out)
         return [out.div_(cross.world_size) for out in outs]
+
+    def _sparse_all_reduce(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        compressor, cross = self.compressor, self.cross
+        assert isinstance(compressor, SparseCompressor)
+        payloads = [compressor.compress(c, key) for key, c in run]
+        assert all(isinstance(p, SparsePayload) for p in payloads)
+        target = sum(compressor.target_count(c.numel()) for _, c in run)
+        result = sparse_allreduce(cross, payloads, target,  # type: ignore[arg-type]
+                                  self._take_rider(cross))
+        self.payload_bytes += result.nbytes
+        self.kept_entries += result.kept
+        self._update(run, result.sent)
+        return [s.div_(cross.world_size) for s in result.sums]
 
     def _update(self, run: list[tuple[str, torch.Tensor]], payloads: Sequence[Payload]) -> None:
         if self.memory is not None:
@@ -250,6 +272,7 @@ class CompressedReducer:
             "memory": self.memory.state_dict() if self.memory is not None else None,
             "payload_bytes": self.payload_bytes,
             "dense_bytes": self.dense_bytes,
+            "kept_entries": self.kept_entries,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,6 +281,7 @@ class CompressedReducer:
             self.memory.load_state_dict(state["memory"])
         self.payload_bytes = int(state.get("payload_bytes", 0))
         self.dense_bytes = int(state.get("dense_bytes", 0))
+        self.kept_entries = int(state.get("kept_entries", 0))
 
 
 def _sum_flat(comm: Communicator, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:

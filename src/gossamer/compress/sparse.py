@@ -2,7 +2,8 @@
 
 - :class:`TopK` sends the ``k = ceil(ratio * numel)`` elements of largest magnitude, as int32
   positions and values (Aji & Heafield, "Sparse Communication for Distributed Gradient
-  Descent", 2017). Payloads differ between workers, so they are all-gathered.
+  Descent", 2017). Payloads differ between workers, so they are all-gathered, or reduced by
+  the sparse all-reduce (:mod:`gossamer.compress.sparse_allreduce`).
 - :class:`RandomK` sends ``k`` elements at positions drawn from a generator seeded alike on
   every worker (Stich et al., "Sparsified SGD with Memory", 2018): the positions need not
   travel and the values can be all-reduced.
@@ -67,6 +68,11 @@ class SparseCompressor(Compressor):
         if payload.indices.numel():
             out.view(-1).index_add_(0, payload.indices, payload.values.to(out.dtype))
 
+    def target_count(self, numel: int) -> int:
+        """How many of a tensor's ``numel`` elements this compressor means to select at the
+        current step (the sparse all-reduce keeps about this many of the sum)."""
+        raise NotImplementedError(f"{type(self).__name__} has no target count")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TopK(SparseCompressor):
@@ -80,7 +86,7 @@ class TopK(SparseCompressor):
             float64 tensor).
     """
 
-    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather",)
+    aggregations: ClassVar[tuple[Aggregation, ...]] = ("allgather", "sparse_allreduce")
 
     ratio: float = option(0.01, "fraction of each tensor sent, in (0, 1]; lower: fewer bytes, "
                           "more of the gradient delayed")
@@ -96,6 +102,9 @@ class TopK(SparseCompressor):
         indices = torch.topk(flat.abs(), k, sorted=False).indices
         values = sparse_values(flat.index_select(0, indices), self.fp16_values)
         return SparsePayload(indices.to(torch.int32), values, tensor.shape)
+
+    def target_count(self, numel: int) -> int:
+        return selected_count(self.ratio, numel)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
