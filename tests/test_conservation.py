@@ -147,6 +147,11 @@ CASES = [
     Case("qsgd-error-feedback", QSGDAllReduce(error_feedback=True), UNSENT),
     Case("dgc-fp32-values", DGC(ratio=0.1, fp16_values=False), UNSENT),
     Case("dgc", DGC(ratio=0.1), UNSENT_FP16),
+    # the sparse all-reduce: the entries the owners drop stay in each worker's memory
+    Case("topk-sparse-allreduce", AllReduce(compression="topk:ratio=0.1",
+                                            aggregation="sparse_allreduce"), UNSENT),
+    Case("dgc-fp32-sparse-allreduce", AllReduce(compression="dgc:ratio=0.1:fp16_values=false",
+                                                aggregation="sparse_allreduce"), UNSENT),
     Case("fp16", FP16AllReduce(), FP16_SUM),
     Case("sparta", SPARTA(fraction=0.1)),
     Case("sparta-partitioned", SPARTA(fraction=0.25, selector="partitioned")),

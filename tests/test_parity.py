@@ -43,6 +43,7 @@ from gossamer.algorithms import (
     OSGP,
     WAGMA,
     Algorithm,
+    AllReduce,
     DiLoCo,
     StreamingDiLoCo,
     available,
@@ -103,6 +104,9 @@ def _cases() -> list[Case]:
         # DiLoCo between groups of 2 that all-reduce gradients, and through a compressor
         Case("diloco-groups-of-2", DiLoCo(period=4, group_size=2)),
         Case("diloco-topk", DiLoCo(period=4, compression="topk:ratio=0.1")),
+        # DGC's sparse payloads reduced by regions (exchanges) and all-gathered
+        Case("dgc-sparse-allreduce", AllReduce(compression="dgc:ratio=0.01",
+                                               aggregation="sparse_allreduce")),
         Case("streaming-diloco-groups-int8",
              StreamingDiLoCo(period=8, fragments=2, tau=2, group_size=2, precision="int8")),
     ]
