@@ -3,6 +3,7 @@
     gossamer bench compress speed --threads 1 --reps 30
     gossamer bench compress bytes --workers 8
     gossamer bench compress accuracy --data ../shared/data --dgc-warmup 60
+    gossamer bench compress accuracy --workers 16 --methods allreduce --sparse-warmup 125
     gossamer bench compress digits
 
 speed: seconds to compress one 25.6M-element float32 gradient (ResNet-50's size) on this CPU
@@ -17,11 +18,15 @@ and the MNIST CNN: what each worker puts on the wire for the compressed tensors 
 payload, header included, against the float32 gradient: target >= 250x), the total with the
 tensors sent dense (biases, BatchNorm), and the bytes the communicator's counters record in an
 n-worker simulated step (a ring all-gather forwards every worker's payload, n - 1 of them; a
-ring all-reduce sends 2 (n - 1) / n of the gradient).
+ring all-reduce sends 2 (n - 1) / n of the gradient), and the same for DGC through the sparse
+all-reduce (``aggregation="sparse_allreduce"``: about two payloads per worker whatever n;
+everything it sends counted: byte counts, entries to the owners, the all-gather of the kept
+sums, the dense tensors).
 
 accuracy: the MNIST CNN (recipes/mnist-cnn.yaml, 8 simulated workers, 300 steps) with AllReduce,
-DGC at 0.001, top-k, QSGD and PowerSGD; final eval accuracy against AllReduce's (target: DGC
-within 0.5 points) and bytes per worker per step.
+DGC at 0.001, top-k, QSGD and PowerSGD (``--methods``), and DGC through the sparse all-reduce
+(``--sparse-warmup``); final eval accuracy against AllReduce's (target: DGC within 0.5 points)
+and bytes per worker per step.
 
 digits: ``gossamer train --sim 4 --algorithm NAME`` (the defaults) for dgc, topk, qsgd and
 powersgd; target >= 85% eval accuracy.
@@ -186,6 +191,9 @@ def bytes_worker(comm, model_name: str) -> dict[str, int]:
         for method, reducer in (
             ("dgc", CompressedReducer(comm, compressor, DGCMemory(momentum=0.9),
                                       bucket_bytes=25 * 2**20)),
+            ("sparse", CompressedReducer(comm, compressor, DGCMemory(momentum=0.9),
+                                         aggregation="sparse_allreduce",
+                                         bucket_bytes=25 * 2**20)),
             ("allreduce", CompressedReducer(comm, NoCompression(), bucket_bytes=25 * 2**20)),
         ):
             before = comm.stats.total_bytes_sent
@@ -200,6 +208,7 @@ def bytes_worker(comm, model_name: str) -> dict[str, int]:
 def bytes_(args: argparse.Namespace, results: Results) -> None:
     from gossamer.comm import SimWorld
 
+    torch.set_num_threads(args.threads)
     rows = []
     for model_name in ("resnet20", "mnist-cnn"):
         for n in args.workers:
@@ -223,13 +232,24 @@ def bytes_(args: argparse.Namespace, results: Results) -> None:
             row["wire_ratio_compressed"] = (row["wire_allreduce_compressed"]
                                             / row["wire_dgc_compressed"])
             row["wire_ratio_total"] = row["wire_allreduce_total"] / row["wire_dgc_total"]
+            # the sparse all-reduce: everything this worker sent (byte counts, its entries to
+            # the owners, the ring all-gather of the kept sums, the dense tensors' all-reduce)
+            row["wire_sparse_compressed"] = r["sparse_compressed_wire"]
+            row["wire_sparse_total"] = r["sparse_compressed_wire"] + r["sparse_dense_wire"]
+            row["wire_ratio_sparse_compressed"] = (row["wire_allreduce_compressed"]
+                                                   / row["wire_sparse_compressed"])
+            row["wire_ratio_sparse_total"] = (row["wire_allreduce_total"]
+                                              / row["wire_sparse_total"])
             rows.append(row)
             print(f"{model_name:9s} n={n:3d}: compressed tensors {r['compressed_numel']:,} "
                   f"params, payload {row['payload_compressed_bytes']:,} B = "
                   f"{row['payload_ratio_compressed']:.0f}x less; with the "
                   f"{r['dense_numel']:,} dense ones {row['payload_ratio_total']:.0f}x; on the "
                   f"wire (ring, n={n}) {row['wire_ratio_compressed']:.0f}x / "
-                  f"{row['wire_ratio_total']:.0f}x")
+                  f"{row['wire_ratio_total']:.0f}x; sparse all-reduce "
+                  f"{row['wire_sparse_total']:,} B of {row['wire_allreduce_total']:,} B, "
+                  f"{row['wire_ratio_sparse_compressed']:.0f}x / "
+                  f"{row['wire_ratio_sparse_total']:.0f}x")
     results.write("compress_bytes", {"rows": rows})
 
 
@@ -247,14 +267,22 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
     dgc = f"dgc:ratio={DENSITY}"
     entries = {"allreduce": "allreduce", "dgc": dgc, "topk": "topk", "qsgd": "qsgd",
                "powersgd": "powersgd"}
+    entries = {name: entries[name] for name in args.methods}
     for steps in args.dgc_warmup:  # DGC with the paper's density warm-up, as extra rows
         entries[f"dgc-warmup{steps}"] = f"{dgc}:warmup_steps={steps}"
+    # DGC through the sparse all-reduce: AllReduce with the DGC spec and the aggregation
+    specs = {name: split_entry(label) for name, label in entries.items()}
+    for steps in args.sparse_warmup:
+        spec = f"{dgc}:warmup_steps={steps}" if steps else dgc
+        name = f"dgc-sparse-warmup{steps}"
+        entries[name] = f"{spec}:aggregation=sparse_allreduce"
+        specs[name] = ("allreduce", {"compression": spec, "aggregation": "sparse_allreduce"})
     out = results.folder / f"compress-mnist-{args.workers}"
     runs = {}
     for name, label in entries.items():
         run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
         if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
-            algorithm, options = split_entry(label)
+            algorithm, options = specs[name]
             started = time.perf_counter()
             run_training(config.replace(algorithm=algorithm, options=options,
                                         run_dir=str(run_dir)))
@@ -313,11 +341,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--name", default="compress_speed", help="result file name")
     b = sub.add_parser("bytes")
     b.add_argument("--workers", type=int, nargs="+", default=[8])
+    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     a = sub.add_parser("accuracy")
     add_data_argument(a)
     a.add_argument("--workers", type=int, default=8)
     a.add_argument("--dgc-warmup", type=int, nargs="*", default=[],
                    help="also DGC with these warm-up steps")
+    a.add_argument("--methods", nargs="+", default=["allreduce", "dgc", "topk", "qsgd",
+                                                    "powersgd"],
+                   choices=["allreduce", "dgc", "topk", "qsgd", "powersgd"],
+                   help="the methods run (allreduce is needed: the others are compared to it)")
+    a.add_argument("--sparse-warmup", type=int, nargs="*", default=[],
+                   help="also DGC through the sparse all-reduce with these warm-up steps "
+                   "(0: none)")
     a.add_argument("--reuse", action="store_true", help="keep runs already in the results")
     a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_steps_argument(a)
