@@ -158,3 +158,80 @@ def test_state_dict_round_trip():
         return opt.runtime.step, len(opt.optimizer.state)
 
     assert SimWorld(1).run(loader) == [(STEPS, 4)]
+
+
+def _deep_model() -> nn.Module:
+    """Several buckets at bucket_mb=0.004 (4 KiB), and a parameter that never gets a
+    gradient (``unused``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 10))
+    model.unused = nn.Parameter(torch.ones(3))
+    return model
+
+
+def overlap_worker(overlap: bool, accumulation: str) -> dict:
+    """Four steps of AllReduce on gloo; records, for the last step, the order in which the
+    buckets' all-reduces started and the first layer's gradient was computed."""
+    from gossamer.comm import TorchCommunicator
+
+    comm = TorchCommunicator.from_env(timeout=60)
+    try:
+        model = _deep_model()
+        optimizer = gossamer.distribute(model, _optimizer(model),
+                                        AllReduce(bucket_mb=0.004, overlap=overlap), comm)
+        events: list[str] = []
+        start = comm.all_reduce_async
+        comm.all_reduce_async = lambda t: (events.append("all_reduce"), start(t))[1]
+        model[0].weight.register_hook(lambda g: events.append("first layer"))
+        xs, ys = _batches(comm.rank)
+        before = comm.stats.total_bytes_sent  # distribute()'s broadcast of the parameters
+        for step in range(4):
+            events.clear()
+            optimizer.zero_grad()
+            halves = [(xs[step][:8], ys[step][:8]), (xs[step][8:], ys[step][8:])]
+            if accumulation == "none":
+                halves = [(xs[step], ys[step])]
+            for i, (x, y) in enumerate(halves):
+                last = i == len(halves) - 1
+                scope = optimizer.no_sync() if accumulation == "no_sync" and not last else None
+                if scope is not None:
+                    with scope:
+                        (F.cross_entropy(model(x), y) / len(halves)).backward()
+                else:
+                    (F.cross_entropy(model(x), y) / len(halves)).backward()
+            optimizer.step()
+        return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                "events": list(events), "buckets": len(optimizer.runtime.gradients.members),
+                "bytes": comm.stats.total_bytes_sent - before}
+    finally:
+        comm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_overlapped_all_reduce_starts_during_backward_and_equals_the_plain_one():
+    from gossamer.testing import spawn_gloo
+
+    plain = spawn_gloo(overlap_worker, 2, (False, "none"), timeout=180)
+    overlapped = spawn_gloo(overlap_worker, 2, (True, "none"), timeout=180)
+    for rank in range(2):
+        mine = overlapped[rank]
+        assert torch.allclose(mine["params"], plain[rank]["params"], atol=1e-6)
+        assert mine["bytes"] == plain[rank]["bytes"]
+        assert mine["buckets"] >= 3
+        # the buckets of the last layers were on the wire before backward reached the first
+        first = mine["events"].index("first layer")
+        assert mine["events"][:first].count("all_reduce") >= 1, mine["events"]
+        assert mine["events"].count("all_reduce") == mine["buckets"]
+        # after backward (the plain one): nothing started before the first layer's gradient
+        assert plain[rank]["events"][0] == "first layer"
+    # gradient accumulation: with no_sync one all-reduce per step, without it one per
+    # micro-batch (DDP's semantics); the same parameters either way
+    synced = spawn_gloo(overlap_worker, 2, (True, "no_sync"), timeout=180)
+    each = spawn_gloo(overlap_worker, 2, (True, "each"), timeout=180)
+    for rank in range(2):
+        assert torch.allclose(synced[rank]["params"], plain[rank]["params"], atol=1e-5)
+        assert torch.allclose(each[rank]["params"], plain[rank]["params"], atol=1e-5)
+        assert synced[rank]["bytes"] == plain[rank]["bytes"]
+        assert each[rank]["bytes"] == 2 * plain[rank]["bytes"]

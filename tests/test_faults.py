@@ -100,18 +100,25 @@ def test_faults_fire_only_in_the_first_elastic_attempt() -> None:
 def test_slow_sleeps_in_real_processes_and_nan_poisons_one_gradient() -> None:
     injector = FaultInjector(["0:2:slow:3", "0:2:nan"], 0, 1)
     layer = nn.Linear(3, 2)
-    layer(torch.ones(1, 3)).sum().backward()
     injector.begin_step(object(), 1)  # a communicator without virtual time
+    injector.before_backward(1, layer.parameters())
+    layer(torch.ones(1, 3)).sum().backward()
     start = time.perf_counter()
-    injector.after_backward(1, layer.parameters(), 0.05)
+    injector.after_backward(1, 0.05)
     assert time.perf_counter() - start < 0.05  # not slow yet, nothing poisoned
     assert torch.isfinite(layer.weight.grad).all()
     injector.begin_step(object(), 2)
+    layer.zero_grad()
+    injector.before_backward(2, layer.parameters())
+    layer(torch.ones(1, 3)).sum().backward()  # the gradient arrives poisoned
     start = time.perf_counter()
-    injector.after_backward(2, layer.parameters(), 0.05)
+    injector.after_backward(2, 0.05)
     assert time.perf_counter() - start >= 0.1  # (3 - 1) x 0.05 s
     assert int(torch.isnan(layer.weight.grad).sum()) == 1
     assert torch.isfinite(layer.bias.grad).all()
+    layer.zero_grad()
+    layer(torch.ones(1, 3)).sum().backward()  # once only
+    assert torch.isfinite(layer.weight.grad).all()
 
 
 def test_rank_flags_sum_to_the_set_of_ranks() -> None:
@@ -289,8 +296,9 @@ def nan_on_rank_1(comm, algorithm: str, policy: str, reports: dict | None = None
         for step in range(1, 7):
             x, y = torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
             optimizer.zero_grad()
+            injector.before_backward(step, list(model.parameters()))
             F.cross_entropy(model(x), y).backward()
-            injector.after_backward(step, list(model.parameters()), 0.0)
+            injector.after_backward(step, 0.0)
             optimizer.step()
             if not all(torch.isfinite(p).all() for p in model.parameters()):
                 held.append(f"rank {comm.rank} parameters at step {step}")

@@ -28,7 +28,8 @@ Mixed precision: give the scaler to ``distribute`` and use it as usual::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -190,6 +191,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Average the replicas exactly (collective: every worker must call it)."""
         self.runtime.average_parameters()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without communicating, as DDP's
+        ``no_sync``: for gradient accumulation, wrap every micro-batch's backward but the
+        last. Needed only where the algorithm communicates during backward (AllReduce's
+        overlapped all-reduce); without it each backward averages (correct, since averaging is
+        linear, but one all-reduce per micro-batch)."""
+        self.runtime.pause_gradient_sync(True)
+        try:
+            yield
+        finally:
+            self.runtime.pause_gradient_sync(False)
 
     def before_eval(self) -> None:
         """Before evaluating: what the algorithm does there (local SGD re-estimates BatchNorm

@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.algorithms.buckets import Buckets
 from gossamer.algorithms.nonfinite import (
     all_finite,
     describe_nonfinite,
@@ -43,6 +42,7 @@ from gossamer.algorithms.nonfinite import (
     ranks_from_flags,
     set_flag,
 )
+from gossamer.algorithms.overlap import GradientBuckets
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import (
@@ -85,6 +85,10 @@ class AllReduce(Algorithm):
         node_size: with a compressor, average dense inside groups of this many consecutive
             ranks first and exchange compressed between them (default 1: flat); must divide
             the world size.
+        overlap: without a compressor, start each bucket's all-reduce during backward as soon
+            as its gradients are ready, buckets in reverse registration order, as DDP does
+            (default True; on real processes: the simulator all-reduces the same buckets
+            after backward). See :mod:`gossamer.algorithms.overlap`.
 
     Example::
 
@@ -117,6 +121,8 @@ class AllReduce(Algorithm):
                                      "compressor's own")
     node_size: int = option(1, "hierarchy: dense all-reduce inside groups of this many "
                             "consecutive ranks, compressed between them")
+    overlap: bool = option(True, "without a compressor: start each bucket's all-reduce during "
+                           "backward, as soon as its gradients are ready (DDP's schedule)")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
@@ -181,10 +187,13 @@ class AllReduceRuntime(Runtime):
             dtype = torch.float32
         self.flags = torch.zeros(flag_words(comm.world_size), dtype=dtype, device=device)
         compressor, memory = config.compressor_and_memory(comm.world_size)
+        self.gradients: GradientBuckets | None = None
         if compressor is None:
-            # the flags ride at the end of the gradient buffer: no message of their own
-            self.buckets = Buckets(self.params + [self.flags], bucket_bytes=bucket_bytes)
-            self.flags = self.buckets.views[-1]
+            # the flags ride at the end of the last bucket: no message of their own
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self.gradients = GradientBuckets(comm, named, self.flags, bucket_bytes,
+                                             overlap=config.overlap)
+            self.flags = self.gradients.flags
             return
         config.validate(comm.world_size)
         # by name: the same order on every worker, whatever order the model registers them in
@@ -224,27 +233,18 @@ class AllReduceRuntime(Runtime):
         if self.reducer is not None:
             self._compressed()
             return
-        grads = [p.grad for p in self.params]
-        self.buckets.gather(grads + [None])
-        buffers = self.buckets.buffers
-        if self.overflow or not all_finite(buffers):  # send zeros and this rank's bit
-            for buffer in buffers:
-                buffer.zero_()
-            set_flag(self.flags, self.comm.rank)
-        for buffer in buffers:
-            self.comm.all_reduce(buffer, op="sum")
-        if not self._agree():
-            return
-        for buffer in buffers:
-            buffer.div_(self.comm.world_size)  # the mean ("mean" would divide the flags too)
-        for p, averaged in zip(self.params, self.buckets.views[:-1], strict=True):
-            if p.grad is None:
-                # Unused on this worker but maybe not on others: take the average anyway,
-                # so the replicas stay identical.
-                p.grad = averaged.clone()
-            else:
-                p.grad.copy_(averaged)
-        self.synchronizations += 1
+        assert self.gradients is not None
+        # averaged during backward already (overlap), or here; a worker with a non-finite
+        # gradient sent zeros and its bit, and then no worker's gradients were replaced
+        self.gradients.reduce(self.overflow)
+        self._found = self.gradients.found
+        if self._agree():
+            self.synchronizations += 1
+        self.gradients.new_step()
+
+    def pause_gradient_sync(self, paused: bool) -> None:
+        if self.gradients is not None:
+            self.gradients.syncing = not paused
 
     def _compressed(self) -> None:
         for _, p in self.named:

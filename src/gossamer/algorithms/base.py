@@ -161,6 +161,11 @@ class Runtime:
     def after_backward(self) -> None:
         """Called when gradients are ready, before the optimizer steps."""
 
+    def pause_gradient_sync(self, paused: bool) -> None:
+        """Whether the backward passes from now on accumulate only (``no_sync``): a method
+        that communicates during backward waits for the last micro-batch's (default: nothing
+        to pause)."""
+
     def after_step(self) -> None:
         """Called after the optimizer stepped."""
 

@@ -14,8 +14,8 @@ recipe's ``faults`` list). Steps count from 1, as the progress bar and the metri
 - ``slow:FACTOR``: from step STEP on, the worker's compute takes FACTOR (>= 1) times as long.
   In the simulator its virtual compute time is multiplied; in real processes it sleeps
   (FACTOR - 1) x the measured compute time (forward and backward) of each step.
-- ``nan``: at step STEP, after the backward pass, one element of one of its gradients is NaN
-  (what the non-finite checks, ``nonfinite``, are for).
+- ``nan``: at step STEP, one element of the first parameter's gradient is NaN, put in as
+  backward computes it (what the non-finite checks, ``nonfinite``, are for).
 
 Faults fire only in the first attempt of an elastic job: when ``TORCHELASTIC_RESTART_COUNT``
 is set and > 0 (torchrun restarted the workers), none is injected, so that a job restarted
@@ -27,8 +27,9 @@ Example::
     for step in range(1, steps + 1):
         injector.begin_step(comm, step)
         started = time.perf_counter()
+        injector.before_backward(step, model.parameters())
         loss_fn(model(x), y).backward()
-        injector.after_backward(step, model.parameters(), time.perf_counter() - started)
+        injector.after_backward(step, time.perf_counter() - started)
         optimizer.step()
 """
 
@@ -204,13 +205,25 @@ class FaultInjector:
             fail(comm, fault)
 
     @torch.no_grad()
-    def after_backward(self, step: int, parameters: Iterable[torch.Tensor],
-                       compute_seconds: float) -> None:
-        """After the backward pass of ``step``: put the NaN in, sleep if slow (real time)."""
+    def before_backward(self, step: int, parameters: Iterable[torch.Tensor]) -> None:
+        """Before the backward pass of ``step``: a due NaN goes into the first parameter's
+        gradient as backward computes it (a gradient hook, once), so that a method that sends
+        gradients during backward sends it too."""
         for fault in self._due(step, ("nan",)):
-            grad = next((p.grad for p in parameters if p.grad is not None), None)
-            if grad is not None:
+            param = next((p for p in parameters if p.requires_grad), None)
+            if param is None:
+                continue
+            self.fired.append(fault)
+            handles = []
+
+            def poison(grad: torch.Tensor, handles: list = handles) -> torch.Tensor:
+                handles.pop().remove()  # once
+                grad = grad.clone()
                 grad[(0,) * grad.dim()] = math.nan
-                self.fired.append(fault)
+                return grad
+            handles.append(param.register_hook(poison))
+
+    def after_backward(self, step: int, compute_seconds: float) -> None:
+        """After the backward pass of ``step``: sleep if slow (real time)."""
         if self.slowdown > 1 and compute_seconds > 0:
             time.sleep((self.slowdown - 1) * compute_seconds)

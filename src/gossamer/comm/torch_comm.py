@@ -238,6 +238,26 @@ class _Exchange:
         return self._result
 
 
+class _Collective:
+    """The handle of :meth:`TorchCommunicator.all_reduce_async`; ``wait()`` is idempotent and
+    waits at most the communicator's timeout."""
+
+    def __init__(self, comm: TorchCommunicator, label: str, work, tensor: torch.Tensor) -> None:
+        self._comm, self._label, self._work, self._tensor = comm, label, work, tensor
+        self._seq = comm._seq  # its number: another may have started since
+
+    def ready(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            deadline = time.perf_counter() + self._comm.timeout
+            self._comm._wait(self._work, self._label, self._comm._others(), deadline,
+                             seq=self._seq)
+            self._work = None
+        return self._tensor
+
+
 class TorchCommunicator:
     """A :class:`~gossamer.comm.base.Communicator` over a c10d process group.
 
@@ -421,15 +441,23 @@ class TorchCommunicator:
             tensor.copy_(buf)
         if op == "mean":
             divide_(tensor, self._world_size)
-        n = self._world_size
-        self._record_collective(
-            "all_reduce",
-            cost.ring_all_reduce_traffic(self._rank, n, tensor.numel(), tensor.element_size()),
-            cost.ring_all_reduce_traffic(
-                (self._rank - 1) % n, n, tensor.numel(), tensor.element_size()
-            ),
-        )
+        self._count_all_reduce(tensor)
         return tensor
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> _Collective:
+        """Start summing the contiguous ``tensor`` over all ranks, in place; ``wait()`` on the
+        handle (within the timeout) completes it. Collectives start in the same order on
+        every rank; the bytes are counted when it starts."""
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_async needs a contiguous tensor")
+        label = self._begin("all_reduce")
+        deadline = time.perf_counter() + self._timeout
+        try:
+            work = dist.all_reduce(tensor, group=self._group, async_op=True)
+        except dist.DistError as exc:
+            raise self._failure(label, self._others(), exc, deadline) from exc
+        self._count_all_reduce(tensor)
+        return _Collective(self, label, work, tensor)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor, in rank order; sizes may differ (same dtype and ndim).
@@ -629,26 +657,29 @@ class TorchCommunicator:
             self._wait(work, label, self._others(), deadline)
 
     def _wait(self, work, label: str, peers: list[int], deadline: float,
-              collective: bool = True) -> None:
+              collective: bool = True, seq: int | None = None) -> None:
         # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond.
         started = time.perf_counter()
         remaining = max(deadline - started, 1e-3)
         try:
             done = work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as exc:
-            raise self._failure(label, peers, exc, deadline, collective) from exc
+            raise self._failure(label, peers, exc, deadline, collective, seq) from exc
         finally:
             self._idle += time.perf_counter() - started
         if done is False:
-            raise self._failure(label, peers, None, deadline, collective)
+            raise self._failure(label, peers, None, deadline, collective, seq)
 
     def _failure(self, label: str, peers: list[int], exc: BaseException | None,
-                 deadline: float, collective: bool = True) -> CommError:
+                 deadline: float, collective: bool = True, seq: int | None = None
+                 ) -> CommError:
         text = _first_line(exc) if exc is not None else "no completion"
         timed_out = exc is None or "timed out" in text.lower()
         if not timed_out and time.perf_counter() >= deadline:
             timed_out = True
-        diagnosis, suspects = self._diagnose(label, peers, self._seq if collective else None)
+        if collective and seq is None:
+            seq = self._seq  # the collective that failed is the latest started
+        diagnosis, suspects = self._diagnose(label, peers, seq if collective else None)
         what = f"timed out after {self._timeout:g} s" if timed_out else "failed"
         message = f"{label} {what}: {diagnosis}. Original error: {text}"
         cls = CommTimeoutError if timed_out else CommError
@@ -729,6 +760,13 @@ class TorchCommunicator:
         if self._store_host is None or self._store_host not in self._global_ranks:
             return None
         return self._global_ranks.index(self._store_host)
+
+    def _count_all_reduce(self, tensor: torch.Tensor) -> None:
+        """Count an all-reduce of ``tensor`` as the ring moves it."""
+        n, size, numel = self._world_size, tensor.element_size(), tensor.numel()
+        self._record_collective(
+            "all_reduce", cost.ring_all_reduce_traffic(self._rank, n, numel, size),
+            cost.ring_all_reduce_traffic((self._rank - 1) % n, n, numel, size))
 
     def _record_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic,
                            mirror: bool = True) -> None:

@@ -9,6 +9,7 @@ algorithm's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -158,13 +159,16 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             group["lr"] = lr
         optimizer.zero_grad()
         step_loss = 0.0
-        for _ in range(config.accumulation):
+        faults.before_backward(done, params)  # an injected NaN arrives during backward
+        for micro in range(config.accumulation):
             batch = sampler.next_batch()
-            loss = loss_fn(model(dataset.x_train[batch].to(device)),
-                           dataset.y_train[batch].to(device))
-            (loss / config.accumulation).backward()
+            final = micro == config.accumulation - 1
+            with contextlib.nullcontext() if final else optimizer.no_sync():
+                loss = loss_fn(model(dataset.x_train[batch].to(device)),
+                               dataset.y_train[batch].to(device))
+                (loss / config.accumulation).backward()
             step_loss += loss.item() / config.accumulation
-        faults.after_backward(done, params, time.perf_counter() - started)
+        faults.after_backward(done, time.perf_counter() - started)
         optimizer.step()
         if done == config.steps:
             # how far the replicas drifted apart, before finish() makes them equal (once
