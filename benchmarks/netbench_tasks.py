@@ -396,7 +396,15 @@ def time_to_accuracy_all(comm, algorithms: list[str], **kwargs: Any) -> dict[str
             "algorithms": {a: time_to_accuracy(comm, a, **kwargs) for a in algorithms}}
 
 
+def allreduce_vs_ddp(comm, **kwargs: Any) -> dict[str, Any]:
+    """:func:`benchmarks.allreduce_vs_ddp.compare` on this rank."""
+    from benchmarks.allreduce_vs_ddp import compare
+
+    return compare(comm, **kwargs)
+
+
 TASKS = {
+    "allreduce_vs_ddp": allreduce_vs_ddp,
     "collectives": collectives,
     "training_steps": training_steps_all,
     "time_to_accuracy": time_to_accuracy_all,

@@ -13,6 +13,7 @@ class Buckets:
 
     A bucket holds tensors of one dtype and device; a tensor larger than ``bucket_bytes`` gets
     a bucket of its own. ``bucket_bytes=None`` puts each dtype/device in a single bucket.
+    ``first_bytes`` caps the first bucket instead (default: ``bucket_bytes``).
 
     Example::
 
@@ -23,9 +24,12 @@ class Buckets:
         buckets.scatter([p.grad for p in model.parameters()])
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int | None) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int | None,
+                 first_bytes: int | None = None) -> None:
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if first_bytes is not None and first_bytes <= 0:
+            raise ValueError(f"first_bytes must be > 0, got {first_bytes}")
         self.shapes = [t.shape for t in tensors]
         # (bucket, offset, numel) per tensor
         self.slots: list[tuple[int, int, int]] = []
@@ -36,9 +40,11 @@ class Buckets:
             kind = (t.dtype, t.device)
             numel = t.numel()
             index = open_bucket.get(kind)
+            # the first bucket may be smaller (DDP's first_bucket_bytes: it starts sooner)
+            limit = first_bytes if index == 0 and first_bytes is not None else bucket_bytes
             if index is None or (
-                bucket_bytes is not None
-                and (sizes[index] + numel) * t.element_size() > bucket_bytes
+                limit is not None
+                and (sizes[index] + numel) * t.element_size() > limit
                 and sizes[index] > 0
             ):
                 index = len(sizes)

@@ -1,8 +1,9 @@
 """The dense gradient all-reduce of AllReduce, started during backward as DDP starts it.
 
 The trainable parameters go into flat buckets in reverse registration order (backward produces
-the last layers' gradients first, so the first buckets fill first), and the non-finite flags of
-:mod:`gossamer.algorithms.nonfinite` ride at the end of the last bucket.
+the last layers' gradients first, so the first buckets fill first), the first of them at most
+1 MiB as DDP's, and the non-finite flags of :mod:`gossamer.algorithms.nonfinite` ride at the end
+of the last bucket.
 
 On a communicator that starts collectives asynchronously (``all_reduce_async``: the
 :class:`~gossamer.comm.TorchCommunicator`), a hook on each parameter's gradient accumulation
@@ -35,6 +36,10 @@ from gossamer.algorithms.buckets import Buckets
 from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite, set_flag
 from gossamer.comm.base import Communicator
 
+#: the first bucket (the last layers') holds at most this many bytes, as DDP's
+#: ``first_bucket_bytes``: it fills, and starts, early in backward
+FIRST_BUCKET_BYTES = 2**20
+
 
 class GradientBuckets:
     """The buckets of the dense all-reduce, and the hooks that start them during backward.
@@ -54,7 +59,8 @@ class GradientBuckets:
         self.comm = comm
         self.named = list(reversed(named))  # bucket order
         self.params = [p for _, p in self.named]
-        self.buckets = Buckets(self.params + [flags], bucket_bytes=bucket_bytes)
+        self.buckets = Buckets(self.params + [flags], bucket_bytes=bucket_bytes,
+                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
         self.flags = self.buckets.views[-1]
         self.views = self.buckets.views[:-1]
         slots = self.buckets.slots[:-1]
