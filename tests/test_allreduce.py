@@ -201,9 +201,17 @@ def overlap_worker(overlap: bool, accumulation: str) -> dict:
                 else:
                     (F.cross_entropy(model(x), y) / len(halves)).backward()
             optimizer.step()
-        return {"params": torch.cat([p.detach().flatten() for p in model.parameters()]),
-                "events": list(events), "buckets": len(optimizer.runtime.gradients.members),
-                "bytes": comm.stats.total_bytes_sent - before}
+        result = {"params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+                  "events": list(events), "buckets": len(optimizer.runtime.gradients.members),
+                  "bytes": comm.stats.total_bytes_sent - before}
+        # the same model distributed again: only the new runtime's hooks start all-reduces
+        again = gossamer.distribute(model, _optimizer(model), AllReduce(bucket_mb=0.004), comm)
+        events.clear()
+        again.zero_grad()
+        F.cross_entropy(model(xs[0]), ys[0]).backward()
+        again.step()
+        result["again"] = events.count("all_reduce")
+        return result
     finally:
         comm.close()
 
@@ -224,6 +232,7 @@ def test_overlapped_all_reduce_starts_during_backward_and_equals_the_plain_one()
         first = mine["events"].index("first layer")
         assert mine["events"][:first].count("all_reduce") >= 1, mine["events"]
         assert mine["events"].count("all_reduce") == mine["buckets"]
+        assert mine["again"] == mine["buckets"]  # not twice: the first runtime's hooks left
         # after backward (the plain one): nothing started before the first layer's gradient
         assert plain[rank]["events"][0] == "first layer"
     # gradient accumulation: with no_sync one all-reduce per step, without it one per

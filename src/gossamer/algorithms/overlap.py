@@ -27,6 +27,7 @@ backward.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,10 @@ from torch import nn
 from gossamer.algorithms.buckets import Buckets
 from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite, set_flag
 from gossamer.comm.base import Communicator
+
+#: id(parameter) -> (the parameter, the GradientBuckets whose hook it carries), both weakly
+#: (a model must stay picklable: nothing is stored on the parameter itself)
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 #: the first bucket (the last layers') holds at most this many bytes, as DDP's
 #: ``first_bucket_bytes``: it fills, and starts, early in backward
@@ -76,6 +81,13 @@ class GradientBuckets:
         self.found: str | None = None  # this step's non-finite gradients, described
         self._hooks = []
         if self.overlapping:
+            for key in [k for k, (param, _) in _OWNERS.items() if param() is None]:
+                del _OWNERS[key]  # parameters gone
+            for p in self.params:  # a model distributed again: the newest runtime's hooks only
+                param, owner = _OWNERS.get(id(p), (None, None))
+                if param is not None and param() is p and owner() is not None:
+                    owner().remove_hooks()
+                _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
             self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
                            for p in self.params]
         self._clear()
@@ -96,9 +108,11 @@ class GradientBuckets:
         self._clear()
 
     def remove_hooks(self) -> None:
+        """Stop starting all-reduces during backward (they then run in after_backward)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self.overlapping = False
 
     # -- the overlapped path ------------------------------------------------------------------
 
