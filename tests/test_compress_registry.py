@@ -286,3 +286,12 @@ def test_one_hook_state_serves_every_compressor():
             TopKState(model, levels=3, comm=comm)
 
     SimWorld(2).run(worker)
+
+
+@pytest.mark.parametrize("name", ["dgc", "topk"])
+def test_sparse_aliases_take_the_sparse_all_reduce(name):
+    alias = create(name, {"aggregation": "sparse_allreduce"})
+    assert alias.allreduce(4).aggregation == "sparse_allreduce"
+    assert create(name, {}).allreduce(4).aggregation is None  # the compressor's own
+    with pytest.raises(ValueError, match="aggregation"):
+        create(name, {"aggregation": "allreduce"})  # sparse payloads cannot be summed

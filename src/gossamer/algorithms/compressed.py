@@ -4,8 +4,9 @@
 Each is an alias of ``allreduce`` with the registered compressor of the same name
 (:mod:`gossamer.compress.registry`): its options are that compressor's (inherited from its
 :class:`~gossamer.compress.Compression` entry, where they are written) and AllReduce's
-``bucket_mb`` (and ``node_size`` for ``dgc``). ``--algorithm dgc --option ratio=0.001`` and
-``--algorithm allreduce --compressor dgc:ratio=0.001`` build the same thing. Python users can
+``bucket_mb`` (and ``node_size`` for ``dgc``, ``aggregation`` for ``dgc`` and ``topk``).
+``--algorithm dgc --option ratio=0.001`` and ``--algorithm allreduce --compressor
+dgc:ratio=0.001`` build the same thing. Python users can
 equally write ``AllReduce(compression="dgc:ratio=0.001")`` or ``AllReduce(compressor=...,
 memory=...)``.
 
@@ -102,12 +103,15 @@ class DGC(CompressedAllReduce, DGCCompression):
     Options: those of :class:`~gossamer.compress.registry.DGCCompression` (``ratio``,
     ``sample_ratio``, ``warmup_steps``, ``warmup_stages``, ``momentum_masking``,
     ``clip_norm``, ``fp16_values``, ``weight_decay_in_gradient``, ``seed``), and AllReduce's
-    ``bucket_mb`` and ``node_size`` (hierarchy: dense inside nodes, sparse between).
+    ``bucket_mb``, ``node_size`` (hierarchy: dense inside nodes, sparse between) and
+    ``aggregation`` (``"sparse_allreduce"``: bytes per worker that do not grow with n, see
+    :mod:`gossamer.compress.sparse_allreduce`).
     """
 
     name: ClassVar[str] = "dgc"
 
     node_size: int = option_of(AllReduce, "node_size")
+    aggregation: str | None = option_of(AllReduce, "aggregation")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,10 +119,13 @@ class TopKAllReduce(CompressedAllReduce, TopKCompression):
     """Exact top-k sparsification with error feedback, all-gathered.
 
     Options: those of :class:`~gossamer.compress.registry.TopKCompression` (``ratio``,
-    ``error_feedback``, ``fp16_values``) and ``bucket_mb``.
+    ``error_feedback``, ``fp16_values``), ``bucket_mb`` and ``aggregation``
+    (``"sparse_allreduce"``, see :mod:`gossamer.compress.sparse_allreduce`).
     """
 
     name: ClassVar[str] = "topk"
+
+    aggregation: str | None = option_of(AllReduce, "aggregation")
 
 
 @dataclass(frozen=True, kw_only=True)
