@@ -453,6 +453,25 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float = 90) -> None:
                 p.wait()
 
 
+def _survivors(tmp_path: Path, procs: list[subprocess.Popen], dead: int
+               ) -> list[tuple[str, str]]:
+    """Wait for a run in which rank ``dead`` crashed; every other rank must have exited 1 with
+    a communication error as its last line and no C++ stack frames: (stderr, last line) each."""
+    _wait_all(procs)
+    assert procs[dead].returncode == CRASH_EXIT_CODE
+    out = []
+    for rank in range(len(procs)):
+        if rank == dead:
+            continue
+        err = (tmp_path / f"rank{rank}.err").read_text()
+        assert procs[rank].returncode == 1, err
+        message = err.strip().splitlines()[-1]
+        assert message.startswith(f"gossamer train (rank {rank}): Comm"), err
+        assert "frame #" not in err, err
+        out.append((err, message))
+    return out
+
+
 def _suspects(message: str) -> str | None:
     found = re.search(r"; suspects: ([^.]*)\. Original error", message)
     return found.group(1) if found else None
@@ -465,15 +484,8 @@ def test_the_store_host_dying_first_is_the_only_one_blamed(tmp_path: Path) -> No
     heartbeat, and must blame rank 0 alone, without the store client's C++ stack frames."""
     procs = _train_processes(tmp_path, 4, "--algorithm", "sgp", "--steps", "40",
                              "--eval-every", "0", "--timeout", "5", "--fault", "0:20:crash")
-    _wait_all(procs)
-    assert procs[0].returncode == CRASH_EXIT_CODE
-    for rank in (1, 2, 3):
-        err = (tmp_path / f"rank{rank}.err").read_text()
-        assert procs[rank].returncode == 1, err
-        message = err.strip().splitlines()[-1]
-        assert message.startswith(f"gossamer train (rank {rank}): Comm"), err
+    for err, message in _survivors(tmp_path, procs, dead=0):
         assert _suspects(message) == "rank 0", err
-        assert "frame #" not in err, err
 
 
 @pytest.mark.slow
@@ -484,16 +496,10 @@ def test_a_survivor_that_left_first_is_not_blamed(tmp_path: Path) -> None:
     long ago rank 1 was last heard from rather than an operation long past."""
     procs = _train_processes(tmp_path, 4, "--steps", "40", "--eval-every", "0",
                              "--timeout", "5", "--fault", "1:20:crash")
-    _wait_all(procs)
-    assert procs[1].returncode == CRASH_EXIT_CODE
-    for rank in (0, 2, 3):
-        err = (tmp_path / f"rank{rank}.err").read_text()
-        assert procs[rank].returncode == 1, err
-        message = err.strip().splitlines()[-1]
+    for err, message in _survivors(tmp_path, procs, dead=1):
         assert _suspects(message) == "rank 1", err
         assert re.search(r"rank 1 stopped responding \(its last heartbeat, [0-9.]+ s ago",
                          message), err
-        assert "frame #" not in err, err
 
 
 @pytest.mark.parametrize("memory", ["error feedback", "dgc"])

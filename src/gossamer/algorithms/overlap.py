@@ -78,7 +78,7 @@ class GradientBuckets:
             self._bucket_of[id(p)] = (bucket, position)
         self.overlapping = overlap and callable(getattr(comm, "all_reduce_async", None))
         self.syncing = True
-        self.found: str | None = None  # this step's non-finite gradients, described
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
         self._hooks = []
         if self.overlapping:
             for key in [k for k, (param, _) in _OWNERS.items() if param() is None]:
@@ -103,7 +103,7 @@ class GradientBuckets:
     def new_step(self) -> None:
         """Forget the last step (its flags and averages)."""
         self.flags.zero_()
-        self.found = None
+        self._nonfinite = []
         self.averaged = False
         self._clear()
 
@@ -129,25 +129,35 @@ class GradientBuckets:
                and len(self._fired[self._started]) == len(self.members[self._started])):
             self._start(self._started)
 
-    def _start(self, bucket: int) -> None:
-        """Pack bucket ``bucket`` and start its all-reduce (zeros and this rank's flag in place
-        of non-finite gradients)."""
-        grads = [self.params[i].grad for i in self.members[bucket]]
-        for i, grad in zip(self.members[bucket], grads, strict=True):
+    def _pack(self, bucket: int, nonfinite: bool = False) -> torch.Tensor:
+        """Copy bucket ``bucket``'s gradients into its buffer (None: zeros), with zeros and this
+        rank's flag in place of non-finite gradients (or of every one, with ``nonfinite``: a
+        GradScaler found an overflow here); the buffer."""
+        members = self.members[bucket]
+        present = [(self.named[i][0], self.params[i].grad) for i in members
+                   if self.params[i].grad is not None]
+        for i in members:
+            grad = self.params[i].grad
             if grad is None:
                 self.views[i].zero_()
             else:
                 self.views[i].copy_(grad)
-        present = [g for g in grads if g is not None]
-        if not all_finite(present):
-            self.found = describe_nonfinite(
-                [(self.named[i][0], self.params[i].grad) for i in self.members[bucket]
-                 if self.params[i].grad is not None], "gradient")
-            for i in self.members[bucket]:
+        if nonfinite or not all_finite([g for _, g in present]):
+            self._nonfinite += present  # described (the non-finite ones) only on error
+            for i in members:
                 self.views[i].zero_()
             set_flag(self.flags, self.comm.rank)
+        return self.buckets.buffers[bucket]
+
+    @property
+    def found(self) -> str | None:
+        """This step's non-finite gradients, described (None: none)."""
+        return describe_nonfinite(self._nonfinite, "gradient")
+
+    def _start(self, bucket: int) -> None:
+        """Pack bucket ``bucket`` and start its all-reduce."""
+        buffer = self._pack(bucket)
         self._started += 1
-        buffer = self.buckets.buffers[bucket]
         self._handles.append(self.comm.all_reduce_async(buffer))  # type: ignore[attr-defined]
 
     def _end_of_backward(self) -> None:
@@ -167,18 +177,9 @@ class GradientBuckets:
         then write the averages; ``overflow`` (a GradScaler's finding here) flags this rank."""
         if self.averaged:
             return
-        grads = [p.grad for p in self.params]
-        self.buckets.gather(grads + [None])
         self.flags.zero_()
-        buffers = self.buckets.buffers
-        if overflow or not all_finite(buffers):
-            self.found = describe_nonfinite(
-                [(n, p.grad) for n, p in self.named if p.grad is not None], "gradient")
-            for buffer in buffers:
-                buffer.zero_()
-            set_flag(self.flags, self.comm.rank)
-        for buffer in buffers:
-            self.comm.all_reduce(buffer, op="sum")
+        for bucket in range(len(self.members)):  # the flags' bucket last, as during backward
+            self.comm.all_reduce(self._pack(bucket, nonfinite=bool(overflow)), op="sum")
         self._write_averages()
         self.averaged = True
 

@@ -87,7 +87,8 @@ class _Heartbeat:
         except OSError:  # the store answered the TCPStore clients: watch through them instead
             self._watch = None
         self._counter = 0
-        self._key = self.key(comm._global_ranks[comm.rank])
+        self._global_rank = comm._global_ranks[comm.rank]
+        self._key = self.key(self._global_rank)
         self._beat()  # the key exists as soon as the communicator does
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gossamer-heartbeat", daemon=True)
@@ -95,6 +96,9 @@ class _Heartbeat:
 
     def key(self, global_rank: int) -> str:
         return f"{self.prefix}/{global_rank}"
+
+    def _left_key(self, global_rank: int) -> str:
+        return f"{self.prefix}/left/{global_rank}"
 
     def store_alive(self) -> bool:
         """Whether the store's host still holds this worker's idle connection (never blocks)."""
@@ -133,7 +137,7 @@ class _Heartbeat:
 
     def left(self, global_rank: int) -> str | None:
         """What a peer that closed after a failure wrote on leaving (see :meth:`stop`)."""
-        key = f"{self.prefix}/left/{global_rank}"
+        key = self._left_key(global_rank)
         if not self._reader.check([key]):
             return None
         return self._reader.get(key).decode()
@@ -161,8 +165,7 @@ class _Heartbeat:
                 return
             if failure is not None:
                 suspects = ",".join(str(p) for p in failure.peers)
-                self._reader.set(f"{self.prefix}/left/{self._key.rsplit('/', 1)[1]}",
-                                 f"{failure.op}|{suspects}")
+                self._reader.set(self._left_key(self._global_rank), f"{failure.op}|{suspects}")
             closed = self._reader.add(key, 1)
             wanted = world_size if expected is None else expected
             end = time.monotonic() + patience
