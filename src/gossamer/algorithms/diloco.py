@@ -108,6 +108,7 @@ class DiLoCo(QSR):
     """
 
     name: ClassVar[str] = "diloco"
+    continues_after_failure: ClassVar[bool] = False  # its outer state: not rebuilt yet
     #: the number of outer steps is what a worker counts as synchronisations
     cap_to_end: ClassVar[bool] = True
 

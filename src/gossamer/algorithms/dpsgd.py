@@ -44,6 +44,7 @@ class DPSGD(GossipAlgorithm):
 
     name: ClassVar[str] = "dpsgd"
     default_topology: ClassVar[str] = "ring"
+    continues_after_failure: ClassVar[bool] = True
 
     def check_topology(self, topology: Topology) -> None:
         topology.require_doubly_stochastic(arg="topology")

@@ -118,6 +118,14 @@ class GossipRuntime(ExactAverages, Runtime):
         self.flat.buffers[0].copy_(flat)
         self.flat.scatter(self.params)
 
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """The topology rebuilt and re-validated for the new members, then their exact
+        average."""
+        assert isinstance(algorithm, GossipAlgorithm)
+        self.comm, self.config = comm, algorithm
+        self.topology = algorithm.make_topology(comm.world_size)
+        self.average_parameters()
+
     @torch.no_grad()
     def average_buffers(self) -> None:
         buffers = [b for b in self.model.buffers() if torch.is_floating_point(b)]

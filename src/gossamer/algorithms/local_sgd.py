@@ -78,6 +78,7 @@ class LocalSGD(Algorithm):
     """
 
     name: ClassVar[str] = "localsgd"
+    continues_after_failure: ClassVar[bool] = True
     #: cap each period by the steps left, so that the last step averages (QSR does)
     cap_to_end: ClassVar[bool] = False
 
@@ -222,6 +223,14 @@ class LocalSGDRuntime(Runtime):
     def average_parameters(self) -> None:
         """The exact average, of what the options say (buffers, optimizer state)."""
         self._average()
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """The members average now; the next step starts a round."""
+        self.comm = comm
+        self._average()
+        self.last_averaged = self.step - 1
+        self.next_average = None
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "next_average": self.next_average,

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.algorithms.pushsum import push_message, push_sum_send
 from gossamer.checks import check_int
@@ -56,6 +57,7 @@ class SGP(GossipAlgorithm):
 
     name: ClassVar[str] = "sgp"
     default_topology: ClassVar[str] = "exponential"
+    continues_after_failure: ClassVar[bool] = True
 
     peers_per_step: int = option(1, "higher: faster mixing, proportionally more bytes per step")
     tau: int = option(0, "higher: more overlap of communication with computation, staler mixing")
@@ -101,6 +103,7 @@ class SGPRuntime(GossipRuntime):
         self.config: SGP = config
         # internal state
         self.weight = 1.0  # push-sum weight; the parameters hold numerator / weight
+        self.holds_numerator = False  # between after_backward and the mixing: numerator x
         # Sent, not yet mixed: the handle of each step's exchange, or what it delivered.
         self.in_flight: deque[Handle | dict[int, torch.Tensor]] = deque()
         flat = self.flat.buffers[0]  # [numerator..., weight] of the step being mixed
@@ -125,6 +128,7 @@ class SGPRuntime(GossipRuntime):
         if self.weight != 1.0:
             for p in self.params:
                 p.data.mul_(self.weight)
+        self.holds_numerator = True
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -146,6 +150,7 @@ class SGPRuntime(GossipRuntime):
         self.periodic_average()
 
     def _set(self, message: torch.Tensor) -> None:
+        self.holds_numerator = False
         self.weight = float(message[-1])
         torch.div(message[:-1], self.weight, out=self.flat.buffers[0])
         self.flat.scatter(self.params)
@@ -168,6 +173,17 @@ class SGPRuntime(GossipRuntime):
         self.write_parameters(message[:-1] / message[-1])
         self.average_buffers()
         self.synchronizations += 1
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """The messages in flight among the old members are dropped (their mass with them);
+        a step that failed before its mixing has its parameters de-biased again."""
+        self.in_flight.clear()
+        if self.holds_numerator:
+            for p in self.params:
+                p.data.div_(self.weight)
+            self.holds_numerator = False
+        super().change_membership(comm, algorithm)
 
     def state_dict(self) -> dict[str, Any]:
         in_flight = [self._received(entry) for entry in self.in_flight]

@@ -233,6 +233,7 @@ class SimWorld:
         self._running: _Worker | None = None
         self._switched_at = time.perf_counter()
         self._hung: int | None = None
+        self._shared: dict[str, Any] = {}  # SimComm.shared
         for w in self._workers:
             w.glet = greenlet(functools.partial(self._worker_main, w, fn, args, kwargs),
                               parent=self._hub)
@@ -802,6 +803,37 @@ class SimComm:
         if self._rank not in ranks:
             raise ValueError(f"ranks {list(ranks)} do not include this worker's rank {self._rank}")
         return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks))
+
+    # ---- membership changes (gossamer.comm.membership)
+    @property
+    def shared(self) -> dict[str, Any]:
+        """A dict every worker of this run sees: the simulator's key-value store."""
+        return self._world._shared
+
+    def peer_alive(self, rank: int) -> bool:
+        """Whether ``rank`` has neither crashed, nor hung, nor finished."""
+        peer = self._world._workers[self._members[rank]]
+        return peer.state != _DONE and not isinstance(peer.wait, _HangWait)
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of virtual time, letting every earlier worker act first."""
+        w = self._worker
+        w.idle_time += seconds
+        w.clock += seconds
+        self._world._sync(w)
+
+    def regroup(self, rank: int, members: Sequence[int], name: str) -> SimComm:
+        """A communicator over ``members`` (global ranks; this worker's is ``rank``-th). The
+        messages sent to this worker and the receives it posted before are dropped: they
+        belong to the old membership."""
+        world, me = self._world, self._worker.rank
+        if tuple(members)[rank] != me:
+            raise ValueError(f"regroup: member {rank} is {members[rank]}, not this worker ({me})")
+        for key in [k for k in world._inbox if k[1] == me]:
+            del world._inbox[key]
+        for key in [k for k in world._posted if k[1] == me]:
+            del world._posted[key]
+        return SimComm(world, self._worker, tuple(members))
 
     # ---- time
     def clock(self) -> float:

@@ -53,6 +53,7 @@ HEARTBEAT_INTERVAL = 0.5  # seconds between beats
 _DIAGNOSE_GAP = 1.5  # seconds between the two reads of the peers' beats (three beats)
 _STORE_READ_TIMEOUT = 5.0  # a diagnosis must not hang on a store that does not answer
 _CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to close
+_DEAD_AFTER = 3.0  # seconds without a heartbeat after which a peer counts as dead
 
 # --------------------------------------------------------------------------------------------
 # Heartbeat
@@ -272,6 +273,8 @@ class TorchCommunicator:
         store_addr: ``(host, port)`` of a TCPStore that all members can reach. With it (or with
             ``store``) a heartbeat runs, and failures name the peer that stopped; without it
             they name every peer of the failed operation as a suspect.
+        heartbeat_prefix: the store keys of the heartbeat (default: from the restart count and
+            the group's name).
 
     Tensors go to the backend on their own device (gloo: CPU, NCCL: CUDA). After a CommError
     the process group is in an undefined state: stop, or restart the job.
@@ -287,6 +290,7 @@ class TorchCommunicator:
         timeout: float | None = None,
         store: dist.Store | None = None,
         store_addr: tuple[str, int] | None = None,
+        heartbeat_prefix: str | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -322,7 +326,7 @@ class TorchCommunicator:
         if store_addr is not None:
             restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             name = getattr(self._group, "group_name", "") or "default"
-            prefix = f"gossamer/{restart}/hb/{name}"
+            prefix = heartbeat_prefix or f"gossamer/{restart}/hb/{name}"
             self._heartbeat = _Heartbeat(store_addr[0], int(store_addr[1]), prefix, self)
 
     @classmethod
@@ -421,6 +425,42 @@ class TorchCommunicator:
         if self._backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    @property
+    def store(self) -> dist.Store | None:
+        """The c10d store the group met through (None when not given)."""
+        return self._store
+
+    def peer_alive(self, rank: int) -> bool:
+        """Whether ``rank``'s heartbeat beat within the last three seconds (True without a
+        heartbeat store: nothing says otherwise)."""
+        if self._heartbeat is None or rank == self._rank:
+            return True
+        try:
+            beat = self._heartbeat.read(self._global_ranks[rank])
+        except Exception:  # noqa: BLE001 - a store that does not answer says nothing
+            return True
+        return beat is not None and time.time() - beat[2] < _DEAD_AFTER
+
+    def regroup(self, rank: int, members: Sequence[int], name: str) -> TorchCommunicator:
+        """Close this communicator and make one over a new default group of
+        ``len(members)`` processes, this one ``rank``, met through this one's store under the
+        prefix ``name``: a membership change (:mod:`gossamer.comm.membership`)."""
+        store, backend = self._store, self._backend
+        if not isinstance(store, dist.TCPStore) or not self._owns_group:
+            raise ValueError("regroup needs a communicator made by from_env (its TCPStore)")
+        self.close()
+        span = timedelta(seconds=self._timeout)
+        options = None
+        if backend == "gloo" and _is_loopback(store.host):
+            options = _loopback_gloo_options(span)
+        kwargs = {"pg_options": options} if options is not None else {}
+        dist.init_process_group(backend, store=dist.PrefixStore(name, store), rank=rank,
+                                world_size=len(members), timeout=span, **kwargs)
+        comm = TorchCommunicator(timeout=self._timeout, store=store,
+                                 heartbeat_prefix=f"{name}/hb")
+        comm._owns_group = True
+        return comm
 
     @property
     def process_group(self) -> dist.ProcessGroup:

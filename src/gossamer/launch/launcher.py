@@ -34,8 +34,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from gossamer.comm.environment import torchrun_variables, without_launcher
+from gossamer.launch.continuing import run_continuing
 from gossamer.launch.netem import Interrupted, LinkSpec, Network, SignalGuard
-from gossamer.launch.supervisor import GRACE, Output, Supervisor, describe_exit
+from gossamer.launch.supervisor import GRACE, Outcome, Output, Supervisor, describe_exit
 
 __all__ = ["launch", "train_config"]
 
@@ -108,6 +109,9 @@ def launch(
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
     config = train_config(train_args)
+    if config.on_failure == "continue" and (links is not None or max_restarts):
+        raise ValueError("--on-failure continue: the survivors go on without a failed worker; "
+                         "--emulate and --max-restarts do not combine with it yet")
     output = Output(stdout if stdout is not None else sys.stdout,
                     stderr if stderr is not None else sys.stderr)
     # an outer launcher's variables (a launcher started under torchrun or srun) stay out
@@ -117,6 +121,9 @@ def launch(
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     with SignalGuard() as guard:
         try:
+            if config.on_failure == "continue":
+                return run_continuing(list(train_args), nproc, env, guard, grace, output,
+                                      config.timeout)
             if links is None:
                 return _run_local(list(train_args), nproc, env, guard, grace, output,
                                   max_restarts)
@@ -141,17 +148,25 @@ def _supervisor(guard: SignalGuard, grace: float, output: Output) -> Supervisor:
     return Supervisor(output=output, grace=grace, on_failure=on_failure, shield=guard.shielded)
 
 
-def _watch(workers: Supervisor, guard: SignalGuard, output: Output) -> tuple[int, bool]:
-    """Wait for the workers (stopped when one fails); the exit code, and whether the launcher
-    was interrupted."""
+def wait_or_stop(workers: Supervisor, guard: SignalGuard, output: Output) -> Outcome | int:
+    """Wait for the workers; when the launcher is interrupted, stop them and return the exit
+    code (128 + the signal's number)."""
     try:
-        outcome = workers.wait()
+        return workers.wait()
     except Interrupted as exc:
         _say(output, f"{exc} received; stopping the workers (their output is not shown from "
              "here on)")
         with guard.shielded(reraise=False):
             workers.stop()
-        return exc.exit_code, True
+        return exc.exit_code
+
+
+def _watch(workers: Supervisor, guard: SignalGuard, output: Output) -> tuple[int, bool]:
+    """Wait for the workers (stopped when one fails); the exit code, and whether the launcher
+    was interrupted."""
+    outcome = wait_or_stop(workers, guard, output)
+    if isinstance(outcome, int):
+        return outcome, True
     if outcome.failed is None:
         return 0, False
     _say(output, f"failed: rank {outcome.failed} {describe_exit(outcome.codes[outcome.failed])}")

@@ -29,6 +29,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 PARTITIONS = ("iid", "dirichlet")
 CHECKPOINT_FORMATS = ("gossamer", "dcp")
+ON_FAILURE = ("stop", "continue")
 
 
 # The settings that only the simulator reads, and the one only real processes read: given in
@@ -120,6 +121,9 @@ class TrainConfig:
                                      "crash|hang|slow:FACTOR|nan")
     nonfinite: str = option("raise", "a NaN/inf gradient or parameter: raise (stop), or skip "
                             "(that update)")
+    on_failure: str = option("stop", "a worker fails: stop (every worker exits), or continue "
+                             "(the others go on without it: gossip and local SGD methods, "
+                             "simulated or under gossamer launch)")
     quiet: bool = option(False, "no progress bar, summary only")
 
     def __post_init__(self, options: Mapping[str, Any] | None, compressor: Any) -> None:
@@ -146,6 +150,9 @@ class TrainConfig:
         if self.timeout is not None:
             check_positive("timeout", self.timeout, allow_zero=False)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check_choice("on_failure", self.on_failure, ON_FAILURE)
+        if self.on_failure == "continue":
+            _check_continues(self.algorithm)
         for name in ("faults", "stragglers", "links"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
@@ -349,6 +356,29 @@ def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
     return rank, factor
 
 
+def continues_after_failure(algorithm: Algorithm | type[Algorithm]) -> bool:
+    """Whether a method's workers can go on without a failed one (``on_failure="continue"``):
+    it needs no step in which every worker takes part, and its runtime has
+    ``change_membership(comm, algorithm)`` (its class says so with
+    ``continues_after_failure = True``)."""
+    return bool(getattr(algorithm, "continues_after_failure", False))
+
+
+def _check_continues(algorithm: Algorithm) -> None:
+    """``on_failure='continue'`` with a method that cannot go on without a failed worker is
+    an error naming the setting, the method and those that can."""
+    if continues_after_failure(algorithm):
+        return
+    from gossamer.algorithms.registry import available, lookup
+
+    able = ", ".join(n for n in available() if continues_after_failure(lookup(n)))
+    raise ValueError(
+        f"on_failure='continue' (--on-failure continue): {algorithm.name} cannot go on "
+        "without a failed worker (its steps need every worker, or its state cannot be "
+        f"rebuilt for fewer); the methods that can: {able}. Use on_failure='stop' with "
+        "--max-restarts to restart from a checkpoint instead")
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} {value!r} is unknown; known: {', '.join(choices)}")
@@ -396,7 +426,7 @@ GROUPS = {
     "simulator": ("sim", "latency", "bandwidth", "links", "compute_time", "stragglers",
                   "jitter"),
     "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all",),
-    "reliability": ("timeout", "faults", "nonfinite"),
+    "reliability": ("timeout", "faults", "nonfinite", "on_failure"),
 }
 
 

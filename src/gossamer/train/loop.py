@@ -23,8 +23,9 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm
 from gossamer.api import distribute
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import CommError, Communicator
 from gossamer.comm.faults import FaultInjector
+from gossamer.comm.membership import Membership
 from gossamer.metrics import consensus_distance
 from gossamer.train import checkpoint as ckpt
 from gossamer.train import dcp
@@ -67,11 +68,15 @@ def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimiz
 
 
 def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
-                 algorithm: Algorithm | None = None) -> dict[str, Any]:
+                 algorithm: Algorithm | None = None,
+                 membership: Membership | None = None) -> dict[str, Any]:
     """Train this worker's replica; rank 0's result carries the run's metrics.
 
     ``algorithm``: ``config.algorithm`` resolved for the world size (default: resolved here);
     :func:`~gossamer.train.run.run_training` resolves it once for every worker.
+    ``membership``: under ``on_failure="continue"``, who trains (default: made here over
+    ``comm``); after a failure the survivors agree on the members and go on, and
+    ``membership.comm`` is the communicator over them (its caller closes it).
     """
     # Every worker must train the same thing: a mismatch stops them all here, before the
     # algorithm's first collective. Its traffic and time are not the algorithm's.
@@ -85,16 +90,18 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     model.to(device)
     shards = partition(dataset.y_train.numpy(), comm.world_size, scheme=config.partition,
                        alpha=config.alpha, seed=config.seed)
-    sampler = ShardSampler(shards[comm.rank], config.batch_size,
-                           seed=config.seed * 7919 + comm.rank)
+    me, size = comm.rank, comm.world_size  # at the start: its shard, whatever the membership
+    sampler = ShardSampler(shards[me], config.batch_size, seed=config.seed * 7919 + me)
+    if membership is None and config.on_failure == "continue":
+        membership = Membership(comm)
 
     def training_inputs(count: int) -> Iterator[torch.Tensor]:
         """``count`` minibatches of this worker's shard for a method to re-estimate statistics
         before evaluating (local SGD's BatchNorm statistics): drawn apart from training's,
         seeded by the step, so that evaluating changes neither the training batches nor a
         resumed run."""
-        seed = np.random.SeedSequence([config.seed, comm.rank, runtime.step]).generate_state(1)
-        draw = ShardSampler(shards[comm.rank], config.batch_size, seed=int(seed[0]))
+        seed = np.random.SeedSequence([config.seed, me, runtime.step]).generate_state(1)
+        draw = ShardSampler(shards[me], config.batch_size, seed=int(seed[0]))
         for _ in range(count):
             yield dataset.x_train[draw.next_batch()].to(device)
 
@@ -150,8 +157,75 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     last: dict[str, Any] = {}
     drift = 0.0  # the consensus distance at the last step, before finish()
     faults = FaultInjector(config.faults, comm.rank, comm.world_size)  # --fault, for tests
-    for step in range(start, config.steps):
-        done = step + 1
+
+    def finish() -> None:
+        """After the last step's update."""
+        nonlocal drift
+        # how far the replicas drifted apart, before finish() makes them equal (once
+        # nothing is in flight: an asynchronous method's rounds stop there)
+        if not runtime.replicas_identical:
+            runtime.settle()
+            drift = excluding(consensus_distance, optimizer)
+        optimizer.finish()
+
+    def end_of_step(done: int) -> None:
+        """After step ``done`` (and ``finish()`` after the last): evaluate and checkpoint,
+        as due."""
+        nonlocal last, window_loss, window_count
+        if done == config.steps or (config.eval_every and done % config.eval_every == 0):
+            runtime.before_eval()
+            last = excluding(measure, comm, config, dataset, model, params, runtime,
+                             window_loss / window_count if window_count else math.nan,
+                             counters(), examples_per_step, done)
+            window_loss, window_count = 0.0, 0
+            if comm.rank == 0:
+                if done == config.steps:
+                    last["consensus_distance_before_finish"] = drift
+                metrics.write(last)
+        if config.checkpoint_every and (done % config.checkpoint_every == 0
+                                        or done == config.steps):
+            excluding(_save, comm, config, model, optimizer, runtime, sampler, done, counters())
+
+    def regroup(error: CommError, done: int) -> int:
+        """Go on with the survivors (on_failure="continue") from the step they agreed on,
+        whose end (finish, evaluation, checkpoint) is done here; returns that step."""
+        nonlocal comm, metrics, progress, examples_per_step
+        assert membership is not None
+        while True:
+            leader = comm.rank == 0
+            old = comm
+            agreed = membership.regroup(error, done)
+            comm = membership.comm
+            for key, total in (("bytes", old.stats.total_bytes_sent),
+                               ("messages", old.stats.total_messages_sent),
+                               ("time", old.clock())):
+                offsets[key] += total - excluded[key]
+            excluded.update(bytes=comm.stats.total_bytes_sent,
+                            messages=comm.stats.total_messages_sent, time=comm.clock())
+            examples_per_step = config.batch_size * config.accumulation * comm.world_size
+            if comm.rank == 0 and not leader:  # the first member writes the records now
+                metrics = MetricsLog(config, enabled=True, resume_step=agreed - 1,
+                                     loggers=config.loggers)
+                progress = Progress(config.steps, enabled=not config.quiet, start=agreed)
+            if comm.rank == 0:
+                metrics.write({"kind": "membership", "step": agreed,
+                               "members": membership.history[-1]["members"]})
+            try:
+                runtime.step = agreed
+                excluding(runtime.change_membership, comm,
+                          config.algorithm.resolve(comm.world_size))
+                runtime.before_forward()
+                if agreed == config.steps:
+                    finish()
+                end_of_step(agreed)
+                return agreed
+            except CommError as again:  # another failure while going on: agree again
+                error, done = again, agreed
+
+    def one_step(done: int) -> float:
+        """Step ``done`` (from 1): its update, then its end; the step's training loss."""
+        nonlocal window_loss, window_count
+        step = done - 1
         faults.begin_step(comm, done)  # an injected crash, hang or slow-down starts here
         started = time.perf_counter()
         lr = learning_rate(config, step)
@@ -171,12 +245,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         faults.after_backward(done, time.perf_counter() - started)
         optimizer.step()
         if done == config.steps:
-            # how far the replicas drifted apart, before finish() makes them equal (once
-            # nothing is in flight: an asynchronous method's rounds stop there)
-            if not runtime.replicas_identical:
-                runtime.settle()
-                drift = excluding(consensus_distance, optimizer)
-            optimizer.finish()
+            finish()
         if math.isfinite(step_loss):
             window_loss, window_count = window_loss + step_loss, window_count + 1
         elif config.nonfinite == "raise":  # (under "skip", the step's update was skipped)
@@ -186,19 +255,21 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             sent, _, clock = counters()
             metrics.write({"kind": "train", "step": done, "train_loss": step_loss, "lr": lr,
                            "bytes_sent": sent, "wall_clock": clock})
-        if done == config.steps or (config.eval_every and done % config.eval_every == 0):
-            runtime.before_eval()
-            last = excluding(measure, comm, config, dataset, model, params, runtime,
-                             window_loss / window_count if window_count else math.nan,
-                             counters(), examples_per_step, done)
-            window_loss, window_count = 0.0, 0
-            if comm.rank == 0:
-                if done == config.steps:
-                    last["consensus_distance_before_finish"] = drift
-                metrics.write(last)
-        if config.checkpoint_every and (done % config.checkpoint_every == 0
-                                        or done == config.steps):
-            excluding(_save, comm, config, model, optimizer, runtime, sampler, done, counters())
+        end_of_step(done)
+        return step_loss
+
+    skip_to = start  # steps up to this one are done (the members agreed to go on after it)
+    for step in range(start, config.steps):
+        done = step + 1
+        if done <= skip_to:
+            continue
+        try:
+            step_loss = one_step(done)
+        except CommError as error:
+            if membership is None:
+                raise
+            skip_to = regroup(error, done)
+            continue
         if comm.rank == 0:
             acc = last.get("eval_accuracy", float("nan"))
             progress.update(
@@ -206,8 +277,12 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                 acc=f"{100 * acc:.1f}%" if acc == acc else "-",
                 sent=format_bytes(counters()[0]),
             )
+
     summary = {**last, "kind": "summary", "algorithm": config.algorithm.name,
                "world_size": comm.world_size, "rank": comm.rank}
+    if membership is not None:  # (step, members) of each change: the members at the start
+        summary["membership"] = [{"step": 0, "members": list(range(size))},
+                                 *membership.history]
     if comm.rank == 0:
         metrics.write({k: v for k, v in summary.items() if k != "rank"})
         metrics.close()

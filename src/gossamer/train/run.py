@@ -15,6 +15,7 @@ from typing import Any
 
 from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import launched
+from gossamer.comm.membership import Membership
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
@@ -226,6 +227,29 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
     return result
 
 
+def _surviving_worker(comm: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """:func:`~gossamer.train.loop.train_worker` of a simulated run that goes on without
+    its failed workers (on_failure="continue"): a worker that crashed or hung on purpose
+    returns None, the others their summaries."""
+    from gossamer.comm.faults import InjectedFault
+    from gossamer.train.loop import train_worker
+
+    try:
+        return train_worker(comm, *args, **kwargs)
+    except InjectedFault:
+        return None
+
+
+def _check_store_outlives_workers() -> None:
+    """on_failure="continue" on real processes needs a rendezvous store that no worker
+    hosts: the launcher's (gossamer launch), or torchrun's agent's."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise ValueError(
+            "on_failure='continue' (--on-failure continue) needs a rendezvous store that "
+            "outlives every worker; here rank 0 would host it, and its death would end the "
+            "run. Start the workers with gossamer launch, which hosts the store")
+
+
 def _launched_rank() -> int:
     from gossamer.comm.environment import launched_rank
 
@@ -238,6 +262,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     Returns this process's summary (rank 0's in the simulator), with ``mode``,
     ``world_size`` and ``history`` (rank 0's eval records) added.
     """
+    if config.on_failure == "continue" and not config.sim:
+        _check_store_outlives_workers()
     dataset = prepare(config)
     restart = elastic_restart(config)
     if restart:
@@ -264,12 +290,17 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             seed=config.seed,
             timeout=config.timeout if config.timeout is not None else default_timeout("sim"),
         )
-        result = world.run(train_worker, config, dataset, algorithm=algorithm)[0]
+        if config.on_failure == "continue":
+            results = world.run(_surviving_worker, config, dataset, algorithm=algorithm)
+            result = next(r for r in results if r is not None and r["rank"] == 0)
+        else:
+            result = world.run(train_worker, config, dataset, algorithm=algorithm)[0]
         result["mode"] = "simulated"
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
         comm = TorchCommunicator.from_env(timeout=config.timeout, bind_all=config.bind_all)
+        membership = Membership(comm) if config.on_failure == "continue" else None
         try:
             if restart and comm.rank == 0:
                 print(f"gossamer: restart {restart} of the worker group: resuming from "
@@ -280,8 +311,11 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 if comm.rank == 0:
                     _write_run_dir(config, dataset, comm.world_size)
                 comm.barrier()
-            result = train_worker(comm, config, dataset, algorithm=algorithm)
+            result = train_worker(comm, config, dataset, algorithm=algorithm,
+                                  membership=membership)
         finally:
+            if membership is not None:
+                membership.comm.close()  # the communicator over the last members
             comm.close()
         result["mode"] = "torch.distributed"
     if config.run_dir and result.get("rank") == 0:

@@ -1,0 +1,167 @@
+"""Membership of a run that goes on when workers fail (``on_failure="continue"``).
+
+When an operation fails (a :class:`~gossamer.comm.CommError`: a peer died, hung or stopped
+answering), each survivor calls :meth:`Membership.regroup`. Over a key-value store that
+outlives the workers (the launcher's TCPStore; a dict of the simulated world in SimWorld) the
+survivors of epoch ``e`` agree on epoch ``e + 1``:
+
+1. each writes ``{e+1}/join/{id}`` with the step it was in (``id``: its rank at the start of
+   the run, which it keeps);
+2. the first to join writes the epoch's opening time (first writer wins, ``compare_set``);
+3. each waits until every member of epoch ``e`` has joined or is dead (its heartbeat
+   stopped; in the simulator: it crashed, hung or finished), at most ``window`` seconds
+   after the opening;
+4. the first to get there writes the decision, ``STEP|ID,ID,...``: the ids that joined, and
+   the largest step among them (first writer wins, so every member reads the same one);
+5. each member makes a communicator over the new members, ranks renumbered in the order of
+   their ids; a worker that joined too late to be in the decision leaves with a CommError.
+
+The members then go on from the agreed step (see :func:`gossamer.train.loop.train_worker`):
+the algorithm's runtime rebuilds and re-validates its topology for the new world size and the
+members start from their exact average (:meth:`~gossamer.algorithms.Runtime.change_membership`).
+:attr:`Membership.history` records each change as ``{"step": S, "members": [ids]}``; the same
+fault injected in the simulator and on gloo gives the same history.
+
+Every wait is bounded: the agreement by ``window`` (virtual seconds in the simulator).
+
+Example::
+
+    membership = Membership(comm, window=2 * comm.timeout + 10)
+    try:
+        optimizer.step()
+    except CommError as error:
+        step = membership.regroup(error, step)   # membership.comm: the new communicator
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gossamer.comm.base import CommError, Communicator
+
+__all__ = ["POLL", "Membership", "membership_window"]
+
+POLL = 0.1  # seconds between two looks at who has joined (virtual in the simulator)
+_PREFIX = "gossamer/membership"
+
+
+def membership_window(timeout: float) -> float:
+    """How long the survivors wait for each other at most: a survivor blocked in an operation
+    with a peer that left notices within its timeout, then diagnoses for a few seconds."""
+    return 2 * timeout + 10.0
+
+
+class _TorchStore:
+    """The membership keys in the launcher's TCPStore, in real time."""
+
+    def __init__(self, comm: Any) -> None:
+        store = comm.store
+        if store is None:
+            raise ValueError("on_failure='continue' needs the communicator's TCPStore")
+        self._store = store
+
+    def get(self, key: str) -> str | None:
+        key = f"{_PREFIX}/{key}"
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(f"{_PREFIX}/{key}", value)
+
+    def first(self, key: str, value: str) -> str:
+        """Write ``value`` unless the key is set; what it holds now (the first writer's)."""
+        return self._store.compare_set(f"{_PREFIX}/{key}", "", value).decode()
+
+    @staticmethod
+    def now(comm: Any) -> float:
+        return time.time()  # the same clock on every process of one host
+
+    @staticmethod
+    def pause(comm: Any, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class _SimStore:
+    """The membership keys in a dict shared by the simulated workers, in virtual time."""
+
+    def __init__(self, comm: Any) -> None:
+        self._data: dict[str, str] = comm.shared.setdefault("membership", {})
+
+    def get(self, key: str) -> str | None:
+        return self._data.get(key)
+
+    def set(self, key: str, value: str) -> None:
+        self._data[key] = value
+
+    def first(self, key: str, value: str) -> str:
+        return self._data.setdefault(key, value)
+
+    @staticmethod
+    def now(comm: Any) -> float:
+        return comm.clock()
+
+    @staticmethod
+    def pause(comm: Any, seconds: float) -> None:
+        comm.sleep(seconds)
+
+
+class Membership:
+    """Who trains, epoch by epoch; :meth:`regroup` after a failure (see the module).
+
+    Args:
+        comm: the communicator of the whole run at its start (a TorchCommunicator over a
+            store that outlives the workers, or a simulated worker's communicator).
+        window: seconds the survivors wait for each other at most (default: from the
+            communicator's timeout, :func:`membership_window`).
+    """
+
+    def __init__(self, comm: Communicator, *, window: float | None = None) -> None:
+        self.comm = comm
+        self.members: tuple[int, ...] = tuple(range(comm.world_size))  # ids, in rank order
+        self.me = comm.rank
+        self.epoch = 0
+        self.window = float(window if window is not None else membership_window(
+            float(getattr(comm, "timeout", 300.0))))
+        self.history: list[dict[str, Any]] = []
+        self._kv = _SimStore(comm) if hasattr(comm, "shared") else _TorchStore(comm)
+
+    def regroup(self, error: CommError, step: int) -> int:
+        """Agree with the survivors on the new members and the step to go on from; make
+        :attr:`comm` a communicator over them. ``step``: the step this worker was in. Returns
+        the agreed step (the largest any member was in). Raises a CommError if this worker
+        joined after the others had agreed without it."""
+        kv, comm, epoch = self._kv, self.comm, self.epoch + 1
+        kv.set(f"{epoch}/join/{self.me}", str(step))
+        deadline = float(kv.first(f"{epoch}/opened", repr(kv.now(comm)))) + self.window
+        while True:
+            joined = {m: int(v) for m in self.members
+                      if (v := kv.get(f"{epoch}/join/{m}")) is not None}
+            if all(m in joined or not self._alive(m) for m in self.members) or (
+                    kv.now(comm) >= deadline):
+                break
+            kv.pause(comm, POLL)
+        ids = ",".join(str(m) for m in sorted(joined))
+        decided = kv.first(f"{epoch}/decided", f"{max(joined.values())}|{ids}")
+        agreed_text, _, names = decided.partition("|")
+        members = tuple(int(m) for m in names.split(","))
+        if self.me not in members:
+            raise CommError(
+                f"{error.op} failed and the survivors went on without this worker (rank "
+                f"{self.me} at the start): it joined after they had agreed on ranks {names} "
+                f"(on_failure='continue'). The failure: {error}", op=error.op,
+                peers=error.peers) from error
+        agreed = int(agreed_text)
+        self.comm = self._regroup(comm, epoch, members)
+        self.members, self.epoch = members, epoch
+        self.history.append({"step": agreed, "members": list(members)})
+        return agreed
+
+    def _alive(self, member: int) -> bool:
+        """Whether a member that has not joined may still do so: its heartbeat beats (in the
+        simulator: it has neither crashed, nor hung, nor finished)."""
+        if member == self.me:
+            return True
+        return bool(self.comm.peer_alive(self.members.index(member)))
+
+    def _regroup(self, comm: Any, epoch: int, members: tuple[int, ...]) -> Communicator:
+        return comm.regroup(members.index(self.me), members, f"{_PREFIX}/{epoch}")

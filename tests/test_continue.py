@@ -1,0 +1,114 @@
+"""``--on-failure continue`` (issue 20): the survivors of a crash agree on their membership,
+rebuild the topology and go on; the same fault gives the same membership history in the
+simulator and on gloo; methods that cannot go on say so."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from gossamer.cli import main
+from gossamer.launch import launch
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
+
+# 200 steps: the accuracy has levelled off, so that one point is more than the noise
+STEPS = 200
+RUN = ["--steps", str(STEPS), "--eval-every", str(STEPS), "--quiet"]
+# a crash of rank 2 at the start of step 100 (os._exit, no clean-up: as kill -9)
+CRASH = "2:100:crash"
+
+
+@functools.cache
+def _sim(algorithm: str, faults: tuple[str, ...] = (), run_dir: str | None = None) -> dict:
+    config = TrainConfig(algorithm=algorithm, sim=4, steps=STEPS, eval_every=STEPS,
+                         quiet=True, on_failure="continue", faults=faults, run_dir=run_dir)
+    return run_training(config)
+
+
+# --------------------------------------------------------------- methods that cannot go on
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "dgc", "powersgd", "diloco", "adpsgd"])
+def test_methods_that_cannot_continue_say_so_naming_the_flag_and_method(algorithm):
+    with pytest.raises(ValueError) as error:
+        TrainConfig(algorithm=algorithm, on_failure="continue")
+    message = str(error.value)
+    assert "--on-failure continue" in message and f"{algorithm} cannot go on" in message
+    assert "sgp" in message and "localsgd" in message  # the methods that can
+
+
+def test_the_command_line_refuses_continue_for_allreduce_with_one_line(capsys):
+    assert main(["train", "--sim", "2", "--steps", "2", "--on-failure", "continue"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "allreduce cannot go on" in err
+
+
+def test_on_failure_takes_stop_or_continue_and_stop_is_the_default():
+    assert TrainConfig().on_failure == "stop"
+    with pytest.raises(ValueError, match="on_failure"):
+        TrainConfig(algorithm="sgp", on_failure="ignore")
+
+
+def test_real_processes_without_the_launchers_store_are_refused(monkeypatch):
+    # rank 0 would host the store: its death would end the run
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(ValueError, match="gossamer launch"):
+        run_training(TrainConfig(algorithm="sgp", steps=2, on_failure="continue"))
+
+
+# ------------------------------------------------------------------------- the simulator
+
+
+def test_simulated_survivors_go_on_and_stay_within_a_point_of_a_fault_free_run():
+    clean = _sim("sgp")
+    survived = _sim("sgp", (CRASH,))
+    assert clean["membership"] == [{"step": 0, "members": [0, 1, 2, 3]}]
+    # rank 2 crashed at step 100; its out-peer failed there, another survivor (whose in-peer
+    # was alive) in step 101: the largest step is where all go on, as ranks 0, 1, 2 of 3
+    assert survived["membership"] == [{"step": 0, "members": [0, 1, 2, 3]},
+                                      {"step": 101, "members": [0, 1, 3]}]
+    assert survived["world_size"] == 3
+    assert abs(survived["eval_accuracy"] - clean["eval_accuracy"]) <= 0.01
+    assert survived["consensus_distance"] == 0  # averaged at the end, as without the fault
+
+
+def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
+    run_dir = tmp_path / "run"
+    result = _sim("localsgd", ("0:5:crash",), str(run_dir))
+    assert result["membership"][-1]["members"] == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert "membership" in kinds and kinds[-1] == "summary"
+    assert records[-1]["step"] == STEPS and records[-1]["world_size"] == 3
+
+
+# ------------------------------------------------------------------- 4 gloo processes
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.parametrize("algorithm", ["sgp", "localsgd"])
+def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(algorithm, tmp_path,
+                                                                        capsys):
+    out = tmp_path / "result.json"
+    code = launch(["--algorithm", algorithm, *RUN, "--fault", CRASH, "--on-failure", "continue",
+                   "--timeout", "3", "--json", str(out), "--run-dir", str(tmp_path / "run")],
+                  nproc=4)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "rank 2 exited with code 17; the others went on without it" in err
+    result = json.loads(out.read_text())["result"]
+    assert result["world_size"] == 3 and result["step"] == STEPS  # every step, by 3 workers
+    # the same fault in the simulator: the same membership history
+    simulated = _sim(algorithm, (CRASH,))
+    assert result["membership"] == simulated["membership"]
+    assert result["membership"][-1]["members"] == [0, 1, 3]
+    # within a point of a fault-free run (the simulator's equals gloo's for these methods)
+    assert abs(result["eval_accuracy"] - _sim(algorithm)["eval_accuracy"]) <= 0.01
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert any(json.loads(r)["kind"] == "membership" for r in records)
