@@ -3,6 +3,7 @@ correction, the wire format on the simulator and gloo, and AllReduce with a comp
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import math
@@ -517,10 +518,14 @@ def _train(comm, algorithm, steps: int, reverse_on_odd: bool = False, momentum: 
     PowerSGDAllReduce(rank=1), RandomKAllReduce(ratio=0.05), FP16AllReduce(),
 ], ids=lambda a: a.name)
 def test_registration_order_does_not_matter(algorithm):
-    """Ranks that register parameters in different orders still agree exactly."""
-    mixed = SimWorld(4).run(lambda comm: _train(comm, algorithm, 4, reverse_on_odd=True)[0])
-    same = SimWorld(4).run(lambda comm: _train(comm, algorithm, 4)[0])
-    for params in mixed:
+    """Without overlap (buckets in the order of the names), ranks that register parameters
+    in different orders still agree exactly, and with it (DDP's buckets, in reverse
+    registration order) ranks that share the order end where they do."""
+    by_name = dataclasses.replace(algorithm, overlap=False)
+    mixed = SimWorld(4).run(lambda comm: _train(comm, by_name, 4, reverse_on_odd=True)[0])
+    same = SimWorld(4).run(lambda comm: _train(comm, by_name, 4)[0])
+    overlapped = SimWorld(4).run(lambda comm: _train(comm, algorithm, 4)[0])
+    for params in mixed + overlapped:
         for name, value in params.items():
             assert torch.equal(value, same[0][name]), name
     assert not torch.equal(same[0]["first.weight"], _Net(False).first.weight)

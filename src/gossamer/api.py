@@ -79,6 +79,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.runtime = runtime
         self.scaler = scaler  # the GradScaler that steps this optimizer, if any
+        runtime.use_scaler(scaler is not None)
 
     def _wrapped(self, name: str, default: Any) -> Any:
         inner = self.__dict__.get("optimizer")

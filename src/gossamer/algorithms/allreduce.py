@@ -10,9 +10,8 @@ With a ``compression`` (a registered compressor by name, :mod:`gossamer.compress
 or a ``compressor`` object (and optionally a ``memory``), the gradients are averaged through
 :class:`~gossamer.compress.CompressedReducer` instead: compensated by the memory, compressed,
 all-reduced or all-gathered as the compressor declares, and decompressed; every worker still
-gets the same average, so the replicas stay identical. Parameters are then visited in the order
-of their names, so models that register them in different orders on different workers still
-aggregate correctly.
+gets the same average, so the replicas stay identical. Either way the buckets start during
+backward, in reverse registration order, as soon as their gradients are ready (``overlap``).
 
 Non-finite gradients: a worker that has one sends zeros in its place and sets its bit in flags
 that ride at the end of the step's reduction (one more float32: no message of their own), so
@@ -27,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,13 +35,10 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.algorithms.nonfinite import (
-    all_finite,
-    describe_nonfinite,
     flag_words,
     ranks_from_flags,
-    set_flag,
 )
-from gossamer.algorithms.overlap import GradientBuckets
+from gossamer.algorithms.overlap import CompressedBuckets, GradientBuckets
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import (
@@ -85,10 +81,16 @@ class AllReduce(Algorithm):
         node_size: with a compressor, average dense inside groups of this many consecutive
             ranks first and exchange compressed between them (default 1: flat); must divide
             the world size.
-        overlap: without a compressor, start each bucket's all-reduce during backward as soon
-            as its gradients are ready, buckets in reverse registration order, as DDP does
-            (default True; on real processes: the simulator all-reduces the same buckets
-            after backward). See :mod:`gossamer.algorithms.overlap`.
+        overlap: start each bucket's communication during backward as soon as its
+            gradients are ready, buckets in reverse registration order, as DDP does (default
+            True; on real processes: the simulator reduces the same buckets after backward).
+            Dense, buckets are all-reduced asynchronously; compressed, each bucket goes
+            through the reducer on a communication thread. Every worker must then register
+            the parameters in the same order (as DDP requires); ``overlap=False`` buckets the
+            compressed gradients in the order of their names instead, whatever the
+            registration order. With a compressor, gradient accumulation needs
+            :meth:`~gossamer.api.DistributedOptimizer.no_sync`. See
+            :mod:`gossamer.algorithms.overlap`.
 
     Example::
 
@@ -121,8 +123,9 @@ class AllReduce(Algorithm):
                                      "compressor's own")
     node_size: int = option(1, "hierarchy: dense all-reduce inside groups of this many "
                             "consecutive ranks, compressed between them")
-    overlap: bool = option(True, "without a compressor: start each bucket's all-reduce during "
-                           "backward, as soon as its gradients are ready (DDP's schedule)")
+    overlap: bool = option(True, "start each bucket's communication during backward, as soon "
+                           "as its gradients are ready (DDP's schedule); false: after "
+                           "backward, compressed buckets in the order of the names")
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
@@ -188,6 +191,7 @@ class AllReduceRuntime(Runtime):
         self.flags = torch.zeros(flag_words(comm.world_size), dtype=dtype, device=device)
         compressor, memory = config.compressor_and_memory(comm.world_size)
         self.gradients: GradientBuckets | None = None
+        self.compressed: CompressedBuckets | None = None
         if compressor is None:
             # the flags ride at the end of the last bucket: no message of their own
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -196,9 +200,9 @@ class AllReduceRuntime(Runtime):
             self.flags = self.gradients.flags
             return
         config.validate(comm.world_size)
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         # by name: the same order on every worker, whatever order the model registers them in
-        self.named = sorted(((name, p) for name, p in model.named_parameters()
-                             if p.requires_grad), key=lambda item: item[0])
+        self.named = sorted(named, key=lambda item: item[0])
         self.weight_decay: dict[torch.Tensor, float] = {}  # taken over from the optimizer
         self.decay_in_gradient = decay_in_gradient(memory)  # else dense, after the exchange
         if isinstance(memory, DGCMemory):
@@ -212,6 +216,12 @@ class AllReduceRuntime(Runtime):
             comm, compressor, memory, aggregation=config.aggregation,
             node_size=config.node_size, bucket_bytes=bucket_bytes,
         )
+        # overlap: DDP's buckets (reverse registration order, which every worker must share);
+        # otherwise in the order of the names
+        self.compressed = CompressedBuckets(
+            comm, list(reversed(named)) if config.overlap else self.named, self.reducer,
+            self.flags, bucket_bytes, step=lambda: self.step, prepare=self._decay_in_gradient,
+            overlap=config.overlap)
 
     def check_gradients(self) -> None:
         """Nothing here: the workers agree on non-finite gradients in after_backward."""
@@ -243,29 +253,32 @@ class AllReduceRuntime(Runtime):
         self.gradients.new_step()
 
     def pause_gradient_sync(self, paused: bool) -> None:
-        if self.gradients is not None:
-            self.gradients.syncing = not paused
+        schedule = self.gradients or self.compressed
+        assert schedule is not None
+        schedule.syncing = not paused
+
+    def use_scaler(self, scaled: bool) -> None:
+        if self.compressed is not None:  # compress unscaled gradients only: after backward
+            self.compressed.scaled = scaled
+
+    def _decay_in_gradient(self, named: Sequence[tuple[str, nn.Parameter]]) -> None:
+        """The weight decay taken over from the optimizer, added to the gradients before they
+        are compressed (where the memory wants it there)."""
+        if self.decay_in_gradient:
+            for _, p in named:
+                decay = self.weight_decay.get(p)
+                if decay:
+                    p.grad.add_(p.detach(), alpha=decay)
 
     def _compressed(self) -> None:
-        for _, p in self.named:
-            if p.grad is None:  # unused here, maybe not elsewhere: its gradient is zero
-                p.grad = torch.zeros_like(p)
-            decay = self.weight_decay.get(p)
-            if decay and self.decay_in_gradient:
-                p.grad.add_(p.detach(), alpha=decay)
-        # A worker whose gradient is non-finite compresses zeros instead, so that no message,
-        # residual or momentum ever holds the value; the flags ride with the reduction and
-        # every worker learns who it was before anything is applied.
-        grads = [p.grad for _, p in self.named]
-        self.flags.zero_()
-        if self.overflow or not all_finite(grads):
-            self._found = describe_nonfinite([(n, p.grad) for n, p in self.named], "gradient")
-            for grad in grads:
-                grad.zero_()
-            set_flag(self.flags, self.comm.rank)
-        assert self.reducer is not None
-        self.reducer.reduce([(name, p.grad) for name, p in self.named], self.step,
-                            flags=self.flags)
+        # compressed during backward already (overlap), or here. A worker whose gradient is
+        # non-finite compresses zeros instead, so that no message, residual or momentum ever
+        # holds the value; the flags ride with the reduction and every worker learns who it
+        # was before anything is applied.
+        assert self.reducer is not None and self.compressed is not None
+        self.compressed.reduce(self.overflow)
+        self._found = self.compressed.found
+        self.compressed.new_step()
         if not self._agree():  # skip: every worker drops this step's average
             return
         if not self.decay_in_gradient:  # each worker decays its own parameters: nothing sent

@@ -161,6 +161,10 @@ class Runtime:
     def after_backward(self) -> None:
         """Called when gradients are ready, before the optimizer steps."""
 
+    def use_scaler(self, scaled: bool) -> None:
+        """Whether a GradScaler steps the optimizer (``distribute(..., scaler=)``): the
+        gradients of backward are then scaled until the step unscales them."""
+
     def pause_gradient_sync(self, paused: bool) -> None:
         """Whether the backward passes from now on accumulate only (``no_sync``): a method
         that communicates during backward waits for the last micro-batch's (default: nothing

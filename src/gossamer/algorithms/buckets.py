@@ -7,6 +7,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+Slot = tuple[int, int, int]  # a tensor's (bucket, offset, numel)
+Kind = tuple[torch.dtype, torch.device]  # a bucket's
+
 
 class Buckets:
     """Tensors packed into flat buffers of at most ``bucket_bytes`` each.
@@ -32,27 +35,7 @@ class Buckets:
             raise ValueError(f"first_bytes must be > 0, got {first_bytes}")
         self.shapes = [t.shape for t in tensors]
         # (bucket, offset, numel) per tensor
-        self.slots: list[tuple[int, int, int]] = []
-        sizes: list[int] = []
-        kinds: list[tuple[torch.dtype, torch.device]] = []
-        open_bucket: dict[tuple[torch.dtype, torch.device], int] = {}
-        for t in tensors:
-            kind = (t.dtype, t.device)
-            numel = t.numel()
-            index = open_bucket.get(kind)
-            # the first bucket may be smaller (DDP's first_bucket_bytes: it starts sooner)
-            limit = first_bytes if index == 0 and first_bytes is not None else bucket_bytes
-            if index is None or (
-                limit is not None
-                and (sizes[index] + numel) * t.element_size() > limit
-                and sizes[index] > 0
-            ):
-                index = len(sizes)
-                sizes.append(0)
-                kinds.append(kind)
-                open_bucket[kind] = index
-            self.slots.append((index, sizes[index], numel))
-            sizes[index] += numel
+        self.slots, sizes, kinds = layout(tensors, bucket_bytes, first_bytes)
         self.buffers = [
             torch.zeros(size, dtype=dtype, device=device)
             for size, (dtype, device) in zip(sizes, kinds, strict=True)
@@ -89,3 +72,32 @@ def apply_flat(tensors: Sequence[torch.Tensor], fn: Callable[[torch.Tensor], obj
     for buffer in buckets.buffers:
         fn(buffer)
     buckets.scatter(tensors)
+
+
+def layout(tensors: Sequence[torch.Tensor], bucket_bytes: int | None,
+           first_bytes: int | None = None) -> tuple[list[Slot], list[int], list[Kind]]:
+    """Where :class:`Buckets` puts ``tensors`` (only their sizes, dtypes and devices are read):
+    ``(bucket, offset, numel)`` per tensor, the elements of each bucket, and each bucket's
+    dtype and device."""
+    slots: list[Slot] = []
+    sizes: list[int] = []
+    kinds: list[Kind] = []
+    open_bucket: dict[Kind, int] = {}
+    for t in tensors:
+        kind = (t.dtype, t.device)
+        numel = t.numel()
+        index = open_bucket.get(kind)
+        # the first bucket may be smaller (DDP's first_bucket_bytes: it starts sooner)
+        limit = first_bytes if index == 0 and first_bytes is not None else bucket_bytes
+        if index is None or (
+            limit is not None
+            and (sizes[index] + numel) * t.element_size() > limit
+            and sizes[index] > 0
+        ):
+            index = len(sizes)
+            sizes.append(0)
+            kinds.append(kind)
+            open_bucket[kind] = index
+        slots.append((index, sizes[index], numel))
+        sizes[index] += numel
+    return slots, sizes, kinds

@@ -4,7 +4,8 @@
 Each is an alias of ``allreduce`` with the registered compressor of the same name
 (:mod:`gossamer.compress.registry`): its options are that compressor's (inherited from its
 :class:`~gossamer.compress.Compression` entry, where they are written) and AllReduce's
-``bucket_mb`` (and ``node_size`` for ``dgc``, ``aggregation`` for ``dgc`` and ``topk``).
+``bucket_mb`` and ``overlap`` (and ``node_size`` for ``dgc``, ``aggregation`` for ``dgc``
+and ``topk``).
 ``--algorithm dgc --option ratio=0.001`` and ``--algorithm allreduce --compressor
 dgc:ratio=0.001`` build the same thing. Python users can
 equally write ``AllReduce(compression="dgc:ratio=0.001")`` or ``AllReduce(compressor=...,
@@ -55,6 +56,7 @@ class CompressedAllReduce(Algorithm):
     offers; its other options are AllReduce's."""
 
     bucket_mb: float = option_of(AllReduce, "bucket_mb")
+    overlap: bool = option_of(AllReduce, "overlap")
 
     def __post_init__(self) -> None:
         self.allreduce(1)  # the compressor's checks and AllReduce's, naming the option

@@ -1,26 +1,34 @@
-"""The dense gradient all-reduce of AllReduce, started during backward as DDP starts it.
+"""Gradient communication started during backward, bucket by bucket, as DDP starts it.
 
-The trainable parameters go into flat buckets in reverse registration order (backward produces
-the last layers' gradients first, so the first buckets fill first), the first of them at most
-1 MiB as DDP's, and the non-finite flags of :mod:`gossamer.algorithms.nonfinite` ride at the end
-of the last bucket.
-
-On a communicator that starts collectives asynchronously (``all_reduce_async``: the
+The trainable parameters go into buckets in reverse registration order (backward produces the
+last layers' gradients first, so the first buckets fill first), the first of them at most
+1 MiB as DDP's. On a communicator of real processes (one with ``all_reduce_async``: the
 :class:`~gossamer.comm.TorchCommunicator`), a hook on each parameter's gradient accumulation
 notes that its gradient is ready; as soon as every gradient of a bucket is, and every bucket
-before it has started, the bucket's all-reduce starts, while backward goes on computing the
+before it has started, the bucket's communication starts, while backward goes on computing the
 gradients of the layers below. Buckets start in the same order on every worker, whatever the
 order the gradients arrive in, so every worker's collectives match. When backward ends (an
 autograd engine callback) the buckets not started yet start (a parameter without a gradient
-counts as zeros), every bucket is waited for, and the averages are written into the gradients.
+counts as zeros), everything is waited for, and the results are written into the gradients.
+:class:`BackwardSchedule` is that bookkeeping; what a bucket's communication is belongs to
+its subclasses:
+
+- :class:`GradientBuckets`, AllReduce's dense average: flat buckets, each all-reduced with
+  ``all_reduce_async``; the non-finite flags of :mod:`gossamer.algorithms.nonfinite` ride at
+  the end of the last bucket.
+- :class:`CompressedBuckets`, AllReduce with a compressor: each bucket goes through the
+  :class:`~gossamer.compress.CompressedReducer` (compensate, compress, collectives,
+  decompress, memory) on a :class:`CommThread`, one bucket after the other, while backward
+  computes; the flags ride on the last bucket's first collective.
 
 This is DDP's schedule and semantics: after each ``backward()`` the gradients hold the average.
-With gradient accumulation, each backward would average (correct, since averaging is linear,
-but one all-reduce per micro-batch): wrap all but the last micro-batch in
+With gradient accumulation, wrap all but the last micro-batch in
 :meth:`~gossamer.api.DistributedOptimizer.no_sync`, and only the last one's backward averages
-the accumulated gradients.
+the accumulated gradients (the dense average may also run at every backward, since averaging
+is linear; a compressed one may not: its memory would be updated once per micro-batch, which
+is an error).
 
-Elsewhere (the simulator) the same buckets are all-reduced one after the other in
+Elsewhere (the simulator) the same buckets go through the same calls one after the other in
 ``after_backward``: the same collectives, bytes and averages, only not overlapped with
 backward.
 """
@@ -28,16 +36,18 @@ backward.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
 
-from gossamer.algorithms.buckets import Buckets
+from gossamer.algorithms.buckets import Buckets, layout
 from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite, set_flag
 from gossamer.comm.base import Communicator
+from gossamer.compress.reducer import CompressedReducer
 
-#: id(parameter) -> (the parameter, the GradientBuckets whose hook it carries), both weakly
+#: id(parameter) -> (the parameter, the BackwardSchedule whose hook it carries), both weakly
 #: (a model must stay picklable: nothing is stored on the parameter itself)
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
@@ -45,42 +55,72 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 #: ``first_bucket_bytes``: it fills, and starts, early in backward
 FIRST_BUCKET_BYTES = 2**20
 
+NamedParameters = Sequence[tuple[str, nn.Parameter]]
 
-class GradientBuckets:
-    """The buckets of the dense all-reduce, and the hooks that start them during backward.
+
+def overlaps(comm: Communicator) -> bool:
+    """Whether ``comm`` talks between processes that run on while it waits (it starts
+    collectives asynchronously), so that communication can overlap backward. The simulator's
+    workers take turns on its scheduler: there, nothing may run on another thread."""
+    return callable(getattr(comm, "all_reduce_async", None))
+
+
+class CommThread:
+    """One background thread that runs communication jobs one after the other, in the order
+    they were submitted: the same order on every worker, so their collectives match."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gossamer-comm")
+        weakref.finalize(self, self._executor.shutdown, wait=False)
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run ``fn(*args)`` (without autograd) after the jobs submitted before."""
+        return self._executor.submit(_no_grad, fn, *args)
+
+    @staticmethod
+    def wait(jobs: Sequence[Future]) -> None:
+        """Wait for every job (each one's collectives wait at most the communicator's
+        timeout), then raise the first one's error, if any."""
+        errors = [job.exception() for job in jobs]
+        for error in errors:
+            if error is not None:
+                raise error
+
+
+def _no_grad(fn: Callable[..., object], *args: object) -> object:
+    with torch.no_grad():  # the grad mode is per thread
+        return fn(*args)
+
+
+class BackwardSchedule:
+    """Buckets of parameters, and the hooks that start them, in order, during backward.
 
     Args:
-        comm: the communicator.
-        named: ``(name, parameter)`` of the trainable parameters, in registration order.
-        flags: the non-finite flags (zeros of the flags' length, dtype and device).
-        bucket_bytes: bytes per bucket at most (a larger tensor gets one of its own).
-        overlap: start the all-reduces during backward where the communicator can.
+        named: ``(name, parameter)`` in bucket order (the last layers' first, for overlap).
+        bucket_of: each parameter's bucket (non-decreasing from 0).
+        overlap: install the hooks (only where the communicator overlaps, see
+            :func:`overlaps`).
 
-    ``syncing`` (default True) turns the hooks off when False (``no_sync``).
+    A subclass starts a bucket in :meth:`_start` and completes every one in
+    :meth:`_complete`; ``syncing`` (default True) turns the hooks off when False
+    (``no_sync``), and ``averaged`` tells whether a backward since :meth:`new_step` has
+    averaged the gradients already.
     """
 
-    def __init__(self, comm: Communicator, named: Sequence[tuple[str, nn.Parameter]],
-                 flags: torch.Tensor, bucket_bytes: int, overlap: bool = True) -> None:
-        self.comm = comm
-        self.named = list(reversed(named))  # bucket order
+    def __init__(self, named: NamedParameters, bucket_of: Sequence[int], overlap: bool) -> None:
+        self.named = list(named)
         self.params = [p for _, p in self.named]
-        self.buckets = Buckets(self.params + [flags], bucket_bytes=bucket_bytes,
-                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
-        self.flags = self.buckets.views[-1]
-        self.views = self.buckets.views[:-1]
-        slots = self.buckets.slots[:-1]
-        count = len(self.buckets.buffers)
+        count = max(bucket_of, default=-1) + 1
         #: the positions (in ``self.params``) of each bucket's parameters
         self.members: list[list[int]] = [[] for _ in range(count)]
         self._bucket_of: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, position)
-        for position, (p, (bucket, _, _)) in enumerate(zip(self.params, slots, strict=True)):
+        for position, (p, bucket) in enumerate(zip(self.params, bucket_of, strict=True)):
             self.members[bucket].append(position)
             self._bucket_of[id(p)] = (bucket, position)
-        self.overlapping = overlap and callable(getattr(comm, "all_reduce_async", None))
+        self.overlapping = overlap
         self.syncing = True
-        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
         self._hooks = []
-        if self.overlapping:
+        if overlap:
             for key in [k for k, (param, _) in _OWNERS.items() if param() is None]:
                 del _OWNERS[key]  # parameters gone
             for p in self.params:  # a model distributed again: the newest runtime's hooks only
@@ -91,43 +131,95 @@ class GradientBuckets:
             self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
                            for p in self.params]
         self._clear()
-        #: whether a backward since the last step() has averaged the gradients already
         self.averaged = False
 
     def _clear(self) -> None:
         self._fired: list[set[int]] = [set() for _ in self.members]
         self._started = 0  # buckets started this backward (in order)
-        self._handles: list = []
         self._queued = False
 
     def new_step(self) -> None:
-        """Forget the last step (its flags and averages)."""
-        self.flags.zero_()
-        self._nonfinite = []
+        """Forget the last step."""
         self.averaged = False
         self._clear()
 
     def remove_hooks(self) -> None:
-        """Stop starting all-reduces during backward (they then run in after_backward)."""
+        """Stop starting communication during backward (it then runs in after_backward)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self.overlapping = False
 
-    # -- the overlapped path ------------------------------------------------------------------
-
     def _ready(self, param: torch.Tensor) -> None:
-        if not self.syncing:
+        if not self.syncing or not self._during_backward():
             return
         bucket, position = self._bucket_of[id(param)]
         if not self._queued:  # the first gradient of this backward
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._queued = True
-            self.flags.zero_()  # this backward's: a non-finite gradient is found again
+            self._begin()
         self._fired[bucket].add(position)
         while (self._started < len(self.members)
                and len(self._fired[self._started]) == len(self.members[self._started])):
-            self._start(self._started)
+            self._started += 1
+            self._start(self._started - 1)
+
+    def _end_of_backward(self) -> None:
+        """Start what has not started, complete everything."""
+        while self._started < len(self.members):
+            self._started += 1
+            self._start(self._started - 1)
+        self._clear()
+        self._complete()
+        self.averaged = True
+
+    def _during_backward(self) -> bool:
+        """Whether this backward's buckets start during it (default: yes)."""
+        return True
+
+    def _begin(self) -> None:
+        """A backward starts (its first gradient is ready)."""
+
+    def _start(self, bucket: int) -> None:
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        raise NotImplementedError
+
+
+class GradientBuckets(BackwardSchedule):
+    """The buckets of the dense all-reduce, started during backward with
+    ``all_reduce_async``.
+
+    Args:
+        comm: the communicator.
+        named: ``(name, parameter)`` of the trainable parameters, in registration order.
+        flags: the non-finite flags (zeros of the flags' length, dtype and device).
+        bucket_bytes: bytes per bucket at most (a larger tensor gets one of its own).
+        overlap: start the all-reduces during backward where the communicator can.
+    """
+
+    def __init__(self, comm: Communicator, named: NamedParameters,
+                 flags: torch.Tensor, bucket_bytes: int, overlap: bool = True) -> None:
+        self.comm = comm
+        ordered = list(reversed(named))  # bucket order
+        self.buckets = Buckets([p for _, p in ordered] + [flags], bucket_bytes=bucket_bytes,
+                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
+        self.flags = self.buckets.views[-1]
+        self.views = self.buckets.views[:-1]
+        super().__init__(ordered, [bucket for bucket, _, _ in self.buckets.slots[:-1]],
+                         overlap and overlaps(comm))
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
+        self._handles: list = []
+
+    def new_step(self) -> None:
+        """Forget the last step (its flags and averages)."""
+        self.flags.zero_()
+        self._nonfinite = []
+        super().new_step()
+
+    def _begin(self) -> None:
+        self.flags.zero_()  # this backward's: a non-finite gradient is found again
 
     def _pack(self, bucket: int, nonfinite: bool = False) -> torch.Tensor:
         """Copy bucket ``bucket``'s gradients into its buffer (None: zeros), with zeros and this
@@ -157,18 +249,14 @@ class GradientBuckets:
     def _start(self, bucket: int) -> None:
         """Pack bucket ``bucket`` and start its all-reduce."""
         buffer = self._pack(bucket)
-        self._started += 1
         self._handles.append(self.comm.all_reduce_async(buffer))  # type: ignore[attr-defined]
 
-    def _end_of_backward(self) -> None:
-        """Start what has not started, wait for everything, write the averages."""
-        while self._started < len(self.members):
-            self._start(self._started)
-        for handle in self._handles:
+    def _complete(self) -> None:
+        """Wait for every bucket, write the averages."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
             handle.wait()
-        self._clear()
         self._write_averages()
-        self.averaged = True
 
     # -- the path after backward --------------------------------------------------------------
 
@@ -197,3 +285,104 @@ class GradientBuckets:
                 p.grad = averaged.clone()
             else:
                 p.grad.copy_(averaged)
+
+
+class CompressedBuckets(BackwardSchedule):
+    """AllReduce's compressed average, bucket by bucket through a
+    :class:`~gossamer.compress.CompressedReducer`, started during backward on a
+    :class:`CommThread` where the communicator overlaps.
+
+    Args:
+        comm: the communicator.
+        named: ``(name, parameter)`` of the trainable parameters in bucket order: reverse
+            registration order to overlap, or any order that every worker shares.
+        reducer: the reducer (only this object's calls use it while backward runs).
+        flags: the non-finite flags; they ride on the last bucket's first collective.
+        bucket_bytes: bytes per bucket at most (the first at most 1 MiB).
+        step: the optimizer step of the gradients being reduced (it seeds compressors).
+        prepare: called on each bucket's ``(name, parameter)`` before it is compressed, with
+            the gradients present (a missing one is zeros): weight decay in the gradient.
+        overlap: start the buckets during backward where the communicator can.
+
+    ``scaled`` (set by the runtime while a GradScaler steps the optimizer) keeps everything
+    after backward, where the gradients have been unscaled: a memory must never hold scaled
+    gradients.
+    """
+
+    def __init__(self, comm: Communicator, named: NamedParameters, reducer: CompressedReducer,
+                 flags: torch.Tensor, bucket_bytes: int, *, step: Callable[[], int],
+                 prepare: Callable[[NamedParameters], None], overlap: bool = True) -> None:
+        self.comm, self.reducer, self.flags = comm, reducer, flags
+        self._step, self._prepare_bucket = step, prepare
+        slots, _, _ = layout([p for _, p in named], bucket_bytes,
+                             min(FIRST_BUCKET_BYTES, bucket_bytes))
+        overlap = overlap and overlaps(comm)
+        super().__init__(named, [bucket for bucket, _, _ in slots], overlap)
+        self.thread = CommThread() if overlap else None
+        self.scaled = False
+        self._jobs: list[Future] = []
+        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
+
+    def new_step(self) -> None:
+        self._nonfinite = []
+        super().new_step()
+
+    @property
+    def found(self) -> str | None:
+        """This step's non-finite gradients, described (None: none)."""
+        return describe_nonfinite(self._nonfinite, "gradient")
+
+    def _during_backward(self) -> bool:
+        if self.scaled:
+            return False
+        if self.averaged and not self._queued:
+            raise RuntimeError(
+                "compressed averaging: a second backward() before optimizer.step(); the "
+                "compressor's memory is updated once per step: wrap every micro-batch's "
+                "backward but the last in optimizer.no_sync()")
+        return True
+
+    def _begin(self) -> None:
+        self.flags.zero_()
+
+    def _gradients(self, bucket: int, overflow: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Bucket ``bucket``'s gradients, ready to compress: zeros for missing ones, prepared,
+        and zeros with this rank's flag in place of non-finite ones (of every one with
+        ``overflow``), so that no message or memory ever holds such a value."""
+        named = [self.named[i] for i in self.members[bucket]]
+        for _, p in named:
+            if p.grad is None:  # unused here, maybe not elsewhere: its gradient is zero
+                p.grad = torch.zeros_like(p)
+        self._prepare_bucket(named)
+        grads = [(name, p.grad) for name, p in named]
+        if overflow or not all_finite([g for _, g in grads]):
+            self._nonfinite += grads
+            for _, g in grads:
+                g.zero_()
+            set_flag(self.flags, self.comm.rank)
+        return grads
+
+    def _reduce(self, grads: list[tuple[str, torch.Tensor]], step: int, last: bool) -> None:
+        self.reducer.reduce(grads, step, flags=self.flags if last else None, checked=True)
+
+    def _start(self, bucket: int) -> None:
+        """Prepare bucket ``bucket`` here, and reduce it on the communication thread."""
+        assert self.thread is not None
+        last = bucket == len(self.members) - 1
+        self._jobs.append(self.thread.submit(self._reduce, self._gradients(bucket),
+                                             self._step(), last))
+
+    def _complete(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        CommThread.wait(jobs)
+
+    def reduce(self, overflow: bool | None) -> None:
+        """Reduce every bucket now (unless a backward did already), one after the other;
+        ``overflow`` (a GradScaler's finding here) flags this rank."""
+        if self.averaged:
+            return
+        self.flags.zero_()
+        for bucket in range(len(self.members)):
+            self._reduce(self._gradients(bucket, bool(overflow)), self._step(),
+                         bucket == len(self.members) - 1)
+        self.averaged = True

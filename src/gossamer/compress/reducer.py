@@ -129,7 +129,8 @@ class CompressedReducer:
         self._rider_stages: list[Communicator] = []
 
     @torch.no_grad()
-    def reduce(self, grads: NamedTensors, step: int, flags: torch.Tensor | None = None) -> None:
+    def reduce(self, grads: NamedTensors, step: int, flags: torch.Tensor | None = None,
+               checked: bool = False) -> None:
         """Replace each gradient by the (compressed) average over the workers, in place.
 
         Every worker must pass the same names, shapes and order. ``step`` is the optimizer
@@ -138,11 +139,11 @@ class CompressedReducer:
         workers: it rides at the end of the step's first collective (no message of its own)
         and never touches a memory; the algorithms agree on non-finite gradients with it.
 
-        Without ``flags`` (the caller did not check the gradients first: the DDP hooks), a
-        non-finite gradient is a FloatingPointError before anything is compressed, since a
-        memory (error feedback's residual, DGC's momentum) would keep it for ever.
+        Without ``flags`` and unless ``checked`` (the caller made sure that the gradients are
+        finite), a non-finite gradient is a FloatingPointError before anything is compressed,
+        since a memory (error feedback's residual, DGC's momentum) would keep it for ever.
         """
-        if flags is None and self.memory is not None:
+        if flags is None and self.memory is not None and not checked:
             # one sum per tensor (NaN and inf survive a sum) and one synchronisation
             sums = [g.detach().sum(dtype=torch.float32) for _, g in grads if g is not None]
             if sums and not math.isfinite(torch.stack(sums).sum().item()):

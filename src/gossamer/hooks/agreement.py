@@ -24,16 +24,31 @@ not check (as DDP's all-reduce, it passes the values on).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gossamer.algorithms.nonfinite import NonFiniteError
+from gossamer.algorithms.overlap import CommThread, overlaps
 from gossamer.comm.base import Communicator
 
 __all__ = ["HookState"]
+
+
+def hook_communicator(process_group: dist.ProcessGroup | None,
+                      timeout: float | None) -> Communicator:
+    """The communicator of a hook's traffic: a :class:`~gossamer.comm.TorchCommunicator`
+    over a process group of its own, with the members of ``process_group`` (default: every
+    rank). The hook's collectives run on a thread of their own while DDP's (the search for
+    unused parameters, the buffers' broadcast) run on DDP's group, and two threads must never
+    share a group: the order of their collectives could differ between ranks. Collective:
+    every rank of the default group calls it (``dist.new_group``'s rule)."""
+    from gossamer.comm.torch_comm import TorchCommunicator
+
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return TorchCommunicator(dist.new_group(ranks), timeout=timeout)
 
 
 class HookState:
@@ -55,6 +70,7 @@ class HookState:
         # statistics
         self.buckets = 0  # buckets reduced, all steps together
         self.skipped_steps = 0  # iterations that overflowed under the scaler
+        self._thread: CommThread | None = None  # started with the first bucket that overlaps
 
     @property
     def comm(self) -> Communicator:
@@ -86,19 +102,52 @@ class HookState:
             "memory. Under a GradScaler give it to the hook's state (scaler=...)",
             rank=rank, step=step, ranks=ranks)
 
-    def bucket_done(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Count ``bucket``, advance the step after the iteration's last one (unless it
-        overflowed), and return the completed future DDP waits for."""
+    def start(self, bucket: dist.GradBucket,
+              reduce: Callable[[torch.Tensor, list[torch.Tensor], list[torch.Tensor]], None]
+              ) -> torch.futures.Future[torch.Tensor]:
+        """The future DDP waits for: ``reduce(buffer, gradients, parameters)`` of ``bucket``
+        (in place in ``buffer``), then the bucket counted and, after the iteration's last
+        one, the step advanced (unless it overflowed).
+
+        Where the communicator overlaps (real processes), ``reduce`` runs on this state's
+        communication thread, buckets one after the other in the order DDP hands them over
+        (the same on every worker), and the hook returns at once: backward goes on while the
+        bucket travels, and the future completes (or fails with ``reduce``'s error) when it
+        is done. Elsewhere it runs before the hook returns.
+        """
+        buffer, grads, params = bucket.buffer(), bucket.gradients(), bucket.parameters()
+        last = bucket.is_last()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def job() -> None:
+            try:
+                reduce(buffer, grads, params)
+                self._count(last)
+            except BaseException as exc:  # noqa: BLE001 - DDP raises it from the future
+                future.set_exception(exc)
+                return
+            future.set_result(buffer)
+
+        if not overlaps(self.comm):
+            reduce(buffer, grads, params)  # its error is raised here, by the hook
+            self._count(last)
+            future.set_result(buffer)
+            return future
+        if self._thread is None:
+            self._thread = CommThread()
+        self._thread.submit(job)
+        return future
+
+    def _count(self, last: bool) -> None:
+        """Count a bucket; after the iteration's ``last`` one, advance the step (unless it
+        overflowed)."""
         self.buckets += 1
-        if bucket.is_last():
+        if last:
             if self.overflow:
                 self.skipped_steps += 1
             else:
                 self.step += 1
             self.overflow = False
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(bucket.buffer())
-        return future
 
     def steps_state(self) -> dict[str, Any]:
         return {"step": self.step, "buckets": self.buckets, "skipped_steps": self.skipped_steps}

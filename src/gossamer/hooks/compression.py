@@ -7,8 +7,11 @@ any compressor spec of :mod:`gossamer.compress.registry` (the same options as
 the hook goes through the same :class:`~gossamer.compress.CompressedReducer` as
 ``AllReduce(compressor=..., memory=...)`` (compensate, compress, all-gather or all-reduce,
 decompress, update the memory), so the hook and gossamer's own runtime compute the same
-average. The traffic goes through a :class:`~gossamer.comm.TorchCommunicator` over DDP's
-process group, on gloo and NCCL, and its ``stats`` count the compressed bytes.
+average. The traffic goes through a :class:`~gossamer.comm.TorchCommunicator` over a
+process group of its own with the members of DDP's, on gloo and NCCL, and its ``stats``
+count the compressed bytes. The hook does not block: the buckets are reduced on a
+communication thread while backward goes on (see
+:meth:`~gossamer.hooks.agreement.HookState.start`).
 
 Tensors are named by the model's parameter names, so the memories, seeds and checkpoints do
 not depend on how DDP buckets them (DDP rebuilds its buckets after the first step).
@@ -68,7 +71,7 @@ from gossamer.compress import Compressor, DGCMemory, Memory, take_over_momentum
 from gossamer.compress.dgc import apply_weight_decay, decay_in_gradient
 from gossamer.compress.reducer import CompressedReducer
 from gossamer.compress.registry import Compression, parse_compression
-from gossamer.hooks.agreement import HookState
+from gossamer.hooks.agreement import HookState, hook_communicator
 
 __all__ = [
     "CompressionState",
@@ -111,8 +114,10 @@ class CompressionState(HookState):
             with ``weight_decay_in_gradient``, to each gradient before compensation.
         aggregation: ``"allreduce"``, ``"allgather"`` or None (default: the compressor's).
         node_size: ranks per node for hierarchical aggregation (default 1).
-        comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over
-            ``process_group``).
+        comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over a
+            process group of its own with ``process_group``'s members: see
+            :func:`~gossamer.hooks.agreement.hook_communicator`). One given here must not be
+            used by DDP or anything else while backward runs.
         process_group: DDP's process group (default: the default group); only used when
             ``comm`` is None.
         timeout: seconds a collective may wait (default: the backend's, 300 s on gloo, 600 s
@@ -151,9 +156,7 @@ class CompressionState(HookState):
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
             else model
         if comm is None:
-            from gossamer.comm.torch_comm import TorchCommunicator
-
-            comm = TorchCommunicator(process_group, timeout=timeout)
+            comm = hook_communicator(process_group, timeout)
         if isinstance(compression, Compressor):
             compressor = compression
         else:
@@ -204,17 +207,25 @@ def compression_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the compressed average of one gradient bucket (see the module docs).
 
-    The collectives are done when the hook returns (the future is already complete), so DDP
-    copies the average into ``param.grad`` before the optimizer steps.
+    On real processes the bucket is reduced on the state's communication thread and the hook
+    returns at once: backward goes on computing while the bucket travels, and DDP waits for
+    the future (which completes when the average is in the bucket) before the optimizer
+    steps (:meth:`~gossamer.hooks.agreement.HookState.start`).
     """
-    buffer = bucket.buffer()
-    grads = bucket.gradients()  # views of buffer
+    return state.start(bucket, lambda buffer, grads, params: _reduce_bucket(
+        state, buffer, grads, params))
+
+
+def _reduce_bucket(state: CompressionState, buffer: torch.Tensor, grads: list[torch.Tensor],
+                   params: list[torch.Tensor]) -> None:
+    """Replace ``buffer`` (whose parts are ``grads``, of ``params``) by the compressed
+    average."""
     scale = state.scale()
     if scale != 1.0:  # memories and weight decay see true gradients, whatever the scale
         for g in grads:
             g.div_(scale)
     named = []
-    for p, g in zip(bucket.parameters(), grads, strict=True):
+    for p, g in zip(params, grads, strict=True):
         decay = state.weight_decay.get(id(p))
         if decay and decay_in_gradient(state.reducer.memory):
             g.add_(p.detach(), alpha=decay)
@@ -234,9 +245,9 @@ def compression_hook(
     ranks = ranks_from_flags(flags)
     if ranks:
         state.nonfinite(buffer, ranks, found)  # NaN on every worker (or raises)
-        return state.bucket_done(bucket)
+        return
     if not decay_in_gradient(state.reducer.memory):  # each worker's own, dense, never sent
-        for p, (name, g) in zip(bucket.parameters(), named, strict=True):
+        for p, (name, g) in zip(params, named, strict=True):
             decay = state.weight_decay.get(id(p))
             if decay:
                 apply_weight_decay(state.reducer.memory, name, p, g, decay)
@@ -245,7 +256,6 @@ def compression_hook(
         torch.cat([g.reshape(-1) for g in grads], out=buffer)
     if scale != 1.0:
         buffer.mul_(scale)  # scaled again, as the scaler's unscale_ expects
-    return state.bucket_done(bucket)
 
 
 # DDP checks the hook's annotations against the classes themselves, and this module's are

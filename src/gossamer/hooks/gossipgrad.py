@@ -47,7 +47,7 @@ from gossamer.algorithms.base import average_tensors, model_tensors
 from gossamer.algorithms.gossipgrad import GradientGossip
 from gossamer.algorithms.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
-from gossamer.hooks.agreement import HookState
+from gossamer.hooks.agreement import HookState, hook_communicator
 
 __all__ = ["GossipGraDState", "gossipgrad_hook"]
 
@@ -65,8 +65,10 @@ class GossipGraDState(HookState):
             (default 1: none); must divide the world size.
         seed: seed of the node-order shuffles, the same on every rank (default 0).
         shuffle: reshuffle the node order every ``ceil(log2 nodes)`` steps (default True).
-        comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over
-            ``process_group``).
+        comm: the communicator (default: a :class:`~gossamer.comm.TorchCommunicator` over a
+            process group of its own with ``process_group``'s members: see
+            :func:`~gossamer.hooks.agreement.hook_communicator`). One given here must not be
+            used by DDP or anything else while backward runs.
         process_group: the DDP process group (default: the default group); only used when
             ``comm`` is None.
         timeout: seconds an exchange may wait for a peer (default: the backend's, 300 s on
@@ -89,9 +91,7 @@ class GossipGraDState(HookState):
     ) -> None:
         super().__init__(scaler)
         if comm is None:
-            from gossamer.comm.torch_comm import TorchCommunicator
-
-            comm = TorchCommunicator(process_group, timeout=timeout)
+            comm = hook_communicator(process_group, timeout)
         # hyperparameters (the checks are GradientGossip's)
         self.gossip = GradientGossip(comm, topology=topology, local_group_size=local_group_size,
                                      seed=seed, shuffle=shuffle)
@@ -120,14 +120,18 @@ def gossipgrad_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: GossipGraD's average of one gradient bucket (see the module docstring).
 
-    The exchange is done when the hook returns (the returned future is already complete), so
-    DDP copies the combined gradient into ``param.grad`` before the optimizer steps.
+    On real processes the exchange runs on the state's communication thread and the hook
+    returns at once; DDP waits for the future before the optimizer steps
+    (:meth:`~gossamer.hooks.agreement.HookState.start`).
     """
-    buffer = bucket.buffer()
+    return state.start(bucket, lambda buffer, grads, params: _combine_bucket(state, buffer))
+
+
+def _combine_bucket(state: GossipGraDState, buffer: torch.Tensor) -> None:
+    """Replace ``buffer`` by GossipGraD's average of it."""
     if state.scaling:  # every worker learns of an overflow anywhere: one bit per rank
         ranks = agree(state.comm, not all_finite([buffer]), buffer.device)
         if ranks:
             state.nonfinite(buffer, ranks, None)  # NaN on every worker, nothing exchanged
-            return state.bucket_done(bucket)
+            return
     state.gossip.combine([buffer], state.step)
-    return state.bucket_done(bucket)
