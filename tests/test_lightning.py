@@ -61,16 +61,16 @@ def _params(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.parameters()]
 
 
-def _fit(algorithm, root: str, steps: int) -> dict:
+def _fit(algorithm, root: str, steps: int, accumulate: int = 1) -> dict:
     rank = int(os.environ["RANK"])
     torch.manual_seed(rank)  # different initial weights: the strategy broadcasts rank 0's
     module = Tiny()
     initial = _params(module)
     strategy = GossamerStrategy(algorithm)
-    trainer = _trainer(strategy, root, max_steps=steps)
+    trainer = _trainer(strategy, root, max_steps=steps, accumulate_grad_batches=accumulate)
     trainer.fit(module, _loader())
     optimizer = strategy.distributed_optimizers[0]
-    return {"initial": initial, "final": _params(module), "seen": module.seen,
+    return {"synchronizations": optimizer.runtime.synchronizations,"initial": initial, "final": _params(module), "seen": module.seen,
             "bytes": optimizer.comm.stats.total_bytes_sent, "steps": optimizer.runtime.step,
             "global_step": trainer.global_step, "ddp": type(strategy.model).__name__}
 
@@ -115,6 +115,24 @@ def test_allreduce_strategy_is_averaged_gradient_sgd(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # rank 1 started from different weights: the broadcast made rank 0's the start
     assert not torch.equal(results[0]["initial"][0], results[1]["initial"][0])
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gradient_accumulation_reduces_once_a_step(tmp_path):
+    """accumulate_grad_batches=2 with a compressed AllReduce, which reduces during backward
+    and refuses a second backward before the step: the strategy's block_backward_sync makes
+    the first micro-batch accumulate only, so each step reduces once."""
+    from gossamer.testing import spawn_gloo
+
+    steps = 4
+    results = spawn_gloo(_fit, WORKERS, args=(gossamer.algorithms.TopKAllReduce(ratio=0.5),
+                                              str(tmp_path), steps, 2), timeout=120)
+    for r in results:
+        assert r["steps"] == r["synchronizations"] == steps
+        assert len(r["seen"]) == 2 * steps
+    for a, b in zip(results[0]["final"], results[1]["final"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ Needs ``pip install gossamer[lightning]``; importing :mod:`gossamer` does not im
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -196,6 +197,17 @@ class GossamerStrategy(DDPStrategy):
             if isinstance(optimizer, DistributedOptimizer):
                 found.append(optimizer)
         return found
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient accumulation (``accumulate_grad_batches``): the micro-batches
+        but the last accumulate without communicating, every optimizer's ``no_sync`` (as
+        ``DDPStrategy`` uses DDP's); needed where the method communicates during backward
+        (AllReduce, whose compressed form refuses a second backward before the step)."""
+        with contextlib.ExitStack() as stack:
+            for optimizer in self.distributed_optimizers:
+                stack.enter_context(optimizer.no_sync())
+            yield
 
     def _fitting(self) -> bool:
         module = self.lightning_module
