@@ -90,25 +90,47 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 # ------------------------------------------------------------------- 4 gloo processes
 
 
+def _launch(tmp_path, capsys, algorithm: str, fault: str, *flags: str, max_restarts=0):
+    """``gossamer launch --nproc 4`` of a run that goes on: its result, metrics and stderr."""
+    out, run_dir = tmp_path / "result.json", tmp_path / "run"
+    code = launch(["--algorithm", algorithm, *RUN, "--fault", fault, "--on-failure", "continue",
+                   "--timeout", "3", "--json", str(out), "--run-dir", str(run_dir), *flags],
+                  nproc=4, max_restarts=max_restarts)
+    err = capsys.readouterr().err
+    assert code == 0, err  # the survivors finished every step and exited 0
+    records = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(out.read_text())["result"], records, err
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("algorithm", ["sgp", "localsgd"])
-def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(algorithm, tmp_path,
-                                                                        capsys):
-    out = tmp_path / "result.json"
-    code = launch(["--algorithm", algorithm, *RUN, "--fault", CRASH, "--on-failure", "continue",
-                   "--timeout", "3", "--json", str(out), "--run-dir", str(tmp_path / "run")],
-                  nproc=4)
-    err = capsys.readouterr().err
-    assert code == 0, err
+def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_path, capsys):
+    result, records, err = _launch(tmp_path, capsys, "sgp", CRASH)
     assert "rank 2 exited with code 17; the others went on without it" in err
-    result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 3 and result["step"] == STEPS  # every step, by 3 workers
     # the same fault in the simulator: the same membership history
-    simulated = _sim(algorithm, (CRASH,))
-    assert result["membership"] == simulated["membership"]
+    assert result["membership"] == _sim("sgp", (CRASH,))["membership"]
     assert result["membership"][-1]["members"] == [0, 1, 3]
-    # within a point of a fault-free run (the simulator's equals gloo's for these methods)
-    assert abs(result["eval_accuracy"] - _sim(algorithm)["eval_accuracy"]) <= 0.01
-    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert any(json.loads(r)["kind"] == "membership" for r in records)
+    assert [r["members"] for r in records if r["kind"] == "membership"] == [[0, 1, 3]]
+    # within a point of a fault-free run
+    assert abs(result["eval_accuracy"] - _sim("sgp")["eval_accuracy"]) <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_gloo_restarted_worker_rejoins_with_a_live_peers_state(tmp_path, capsys):
+    # local SGD; rank 2 crashes at step 5 and is restarted (--max-restarts 1)
+    result, records, err = _launch(tmp_path, capsys, "localsgd", "2:5:crash", max_restarts=1)
+    assert "restarting it (restart 1 of 1)" in err and "rank 2 restarted and rejoined" in err
+    history = result["membership"]
+    # the survivors went on as in the simulator, then the restarted worker was let in
+    assert history[:2] == _sim("localsgd", ("2:5:crash",))["membership"]
+    assert [h["members"] for h in history[1:]] == [[0, 1, 3], [0, 1, 2, 3]]
+    assert history[1]["step"] < history[2]["step"] < STEPS
+    assert result["world_size"] == 4 and result["step"] == STEPS
+    # the rejoined worker ends with the same averaged model as the others
+    assert result["consensus_distance"] == 0
+    assert len(set(result["worker_eval_loss"])) == 1 and len(result["worker_eval_loss"]) == 4
+    assert abs(result["eval_accuracy"] - _sim("localsgd")["eval_accuracy"]) <= 0.01
+    assert [r["members"] for r in records if r["kind"] == "membership"] == [[0, 1, 3],
+                                                                            [0, 1, 2, 3]]

@@ -36,13 +36,19 @@ Example::
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
-from gossamer.comm.base import CommError, Communicator
+import torch
 
-__all__ = ["POLL", "Membership", "membership_window"]
+from gossamer.comm.base import CommError, CommTimeoutError, Communicator
+
+__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "membership_window"]
 
 POLL = 0.1  # seconds between two looks at who has joined (virtual in the simulator)
+REJOIN_EVERY = 10  # steps between two looks for restarted workers waiting to rejoin
+#: Set to "1" by ``gossamer launch`` in the environment of a worker it restarted: it rejoins.
+REJOIN_VARIABLE = "GOSSAMER_REJOIN"
 _PREFIX = "gossamer/membership"
 
 
@@ -55,8 +61,7 @@ def membership_window(timeout: float) -> float:
 class _TorchStore:
     """The membership keys in the launcher's TCPStore, in real time."""
 
-    def __init__(self, comm: Any) -> None:
-        store = comm.store
+    def __init__(self, store: Any) -> None:
         if store is None:
             raise ValueError("on_failure='continue' needs the communicator's TCPStore")
         self._store = store
@@ -123,7 +128,9 @@ class Membership:
         self.window = float(window if window is not None else membership_window(
             float(getattr(comm, "timeout", 300.0))))
         self.history: list[dict[str, Any]] = []
-        self._kv = _SimStore(comm) if hasattr(comm, "shared") else _TorchStore(comm)
+        self.size = comm.world_size  # the ids are 0 .. size - 1
+        self.joined_at: int | None = None  # a rejoined worker: the step it joined after
+        self._kv = _SimStore(comm) if hasattr(comm, "shared") else _TorchStore(comm.store)
 
     def regroup(self, error: CommError, step: int) -> int:
         """Agree with the survivors on the new members and the step to go on from; make
@@ -142,19 +149,89 @@ class Membership:
             kv.pause(comm, POLL)
         ids = ",".join(str(m) for m in sorted(joined))
         decided = kv.first(f"{epoch}/decided", f"{max(joined.values())}|{ids}")
-        agreed_text, _, names = decided.partition("|")
-        members = tuple(int(m) for m in names.split(","))
+        agreed, members = _decision(decided)
+        names = ",".join(map(str, members))
         if self.me not in members:
             raise CommError(
                 f"{error.op} failed and the survivors went on without this worker (rank "
                 f"{self.me} at the start): it joined after they had agreed on ranks {names} "
                 f"(on_failure='continue'). The failure: {error}", op=error.op,
                 peers=error.peers) from error
-        agreed = int(agreed_text)
-        self.comm = self._regroup(comm, epoch, members)
-        self.members, self.epoch = members, epoch
-        self.history.append({"step": agreed, "members": list(members)})
+        self._change(epoch, agreed, members)
         return agreed
+
+    def _change(self, epoch: int, step: int, members: tuple[int, ...]) -> None:
+        self.comm = self.comm.regroup(members.index(self.me), members, f"{_PREFIX}/{epoch}")
+        self.members, self.epoch = members, epoch
+        self.history.append({"step": step, "members": list(members)})
+
+    # -- rejoining ---------------------------------------------------------------------------
+
+    def waiting(self) -> list[int]:
+        """Collective over :attr:`comm`: the ids of restarted workers waiting to rejoin, as
+        any member saw them in the store (so that every member gets the same list)."""
+        flags = torch.zeros(self.size, dtype=torch.int32, device=getattr(self.comm, "device",
+                                                                         None))
+        for m in range(self.size):
+            if m not in self.members and self._kv.get(f"rejoin/{m}") == "waiting":
+                flags[m] = 1
+        self.comm.all_reduce(flags)
+        return [m for m in range(self.size) if int(flags[m])]
+
+    def admit(self, ids: list[int], step: int) -> None:
+        """Make :attr:`comm` a communicator over the members and the workers ``ids`` (from
+        :meth:`waiting`) that rejoin after ``step``."""
+        epoch = self.epoch + 1
+        members = tuple(sorted({*self.members, *ids}))
+        decided = self._kv.first(f"{epoch}/decided",
+                                 f"{step}|{','.join(map(str, members))}")
+        for m in ids:
+            self._kv.set(f"rejoin/{m}", f"epoch:{epoch}")
+        self._change(epoch, *_decision(decided))
+
+    def source(self) -> int:
+        """The rank, in :attr:`comm`, of the member that gives its state at a rejoin: the
+        lowest id of the epoch before (a live member, the same for every member)."""
+        return self.members.index(min(self.history[-2]["members"]))
+
+    def close(self) -> None:
+        """The run is over: a worker still waiting to rejoin stops waiting."""
+        self._kv.set("finished", "1")
+
+    @classmethod
+    def rejoin(cls, me: int, size: int, host: str, port: int, *, timeout: float,
+               wait: float, backend: str = "gloo") -> Membership | None:
+        """A restarted worker (id ``me`` of ``size``) asks to rejoin through the store at
+        ``host:port``, waits at most ``wait`` seconds for the members to admit it, and meets
+        them; None when the run finished first."""
+        import torch.distributed as dist
+
+        from gossamer.comm.torch_comm import TorchCommunicator
+
+        store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)
+        kv = _TorchStore(store)
+        kv.set(f"rejoin/{me}", "waiting")
+        deadline = time.monotonic() + wait
+        while (state := kv.get(f"rejoin/{me}")) == "waiting":
+            if kv.get("finished") is not None:
+                return None
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(f"rejoin: the members did not admit rank {me} within "
+                                       f"{wait:g} s", op="rejoin", peers=[])
+            time.sleep(POLL)
+        epoch = int(str(state).partition(":")[2])
+        step, members = _decision(kv.get(f"{epoch}/decided") or "")
+        comm = TorchCommunicator.from_store(store, members.index(me), len(members),
+                                            f"{_PREFIX}/{epoch}", backend=backend,
+                                            timeout=timeout)
+        self = cls(comm)
+        self.me, self.size, self.members, self.epoch, self.joined_at = (
+            me, size, members, epoch, step)
+        for e in range(1, epoch + 1):  # the history the others made meanwhile
+            done, ids = _decision(kv.get(f"{e}/decided") or "")
+            self.history.append({"step": done, "members": list(ids)})
+        return self
 
     def _alive(self, member: int) -> bool:
         """Whether a member that has not joined may still do so: its heartbeat beats (in the
@@ -163,5 +240,9 @@ class Membership:
             return True
         return bool(self.comm.peer_alive(self.members.index(member)))
 
-    def _regroup(self, comm: Any, epoch: int, members: tuple[int, ...]) -> Communicator:
-        return comm.regroup(members.index(self.me), members, f"{_PREFIX}/{epoch}")
+
+
+def _decision(text: str) -> tuple[int, tuple[int, ...]]:
+    """``"STEP|ID,ID,..."`` -> (step, ids)."""
+    step, _, ids = text.partition("|")
+    return int(step), tuple(int(m) for m in ids.split(","))

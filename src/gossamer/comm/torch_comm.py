@@ -446,19 +446,28 @@ class TorchCommunicator:
         """Close this communicator and make one over a new default group of
         ``len(members)`` processes, this one ``rank``, met through this one's store under the
         prefix ``name``: a membership change (:mod:`gossamer.comm.membership`)."""
-        store, backend = self._store, self._backend
+        store = self._store
         if not isinstance(store, dist.TCPStore) or not self._owns_group:
             raise ValueError("regroup needs a communicator made by from_env (its TCPStore)")
         self.close()
-        span = timedelta(seconds=self._timeout)
+        return TorchCommunicator.from_store(store, rank, len(members), name,
+                                            backend=self._backend, timeout=self._timeout)
+
+    @classmethod
+    def from_store(cls, store: dist.TCPStore, rank: int, world_size: int, name: str, *,
+                   backend: str = "gloo", timeout: float | None = None) -> TorchCommunicator:
+        """Initialise the default group of ``world_size`` processes, this one ``rank``, met
+        through ``store`` under the prefix ``name``, and wrap it (``close()`` destroys it):
+        how the members of a new membership meet (:mod:`gossamer.comm.membership`)."""
+        timeout = float(timeout if timeout is not None else default_timeout(backend))
+        span = timedelta(seconds=timeout)
         options = None
         if backend == "gloo" and _is_loopback(store.host):
             options = _loopback_gloo_options(span)
         kwargs = {"pg_options": options} if options is not None else {}
         dist.init_process_group(backend, store=dist.PrefixStore(name, store), rank=rank,
-                                world_size=len(members), timeout=span, **kwargs)
-        comm = TorchCommunicator(timeout=self._timeout, store=store,
-                                 heartbeat_prefix=f"{name}/hb")
+                                world_size=world_size, timeout=span, **kwargs)
+        comm = cls(timeout=timeout, store=store, heartbeat_prefix=f"{name}/hb")
         comm._owns_group = True
         return comm
 

@@ -109,9 +109,9 @@ def launch(
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
     config = train_config(train_args)
-    if config.on_failure == "continue" and (links is not None or max_restarts):
-        raise ValueError("--on-failure continue: the survivors go on without a failed worker; "
-                         "--emulate and --max-restarts do not combine with it yet")
+    if config.on_failure == "continue" and links is not None:
+        raise ValueError("--on-failure continue does not combine with --emulate yet: each "
+                         "emulated node's torchrun stops every worker when one fails")
     output = Output(stdout if stdout is not None else sys.stdout,
                     stderr if stderr is not None else sys.stderr)
     # an outer launcher's variables (a launcher started under torchrun or srun) stay out
@@ -123,7 +123,7 @@ def launch(
         try:
             if config.on_failure == "continue":
                 return run_continuing(list(train_args), nproc, env, guard, grace, output,
-                                      config.timeout)
+                                      config.timeout, max_restarts)
             if links is None:
                 return _run_local(list(train_args), nproc, env, guard, grace, output,
                                   max_restarts)

@@ -25,13 +25,14 @@ from gossamer.algorithms import Algorithm
 from gossamer.api import distribute
 from gossamer.comm.base import CommError, Communicator
 from gossamer.comm.faults import FaultInjector
-from gossamer.comm.membership import Membership
+from gossamer.comm.membership import REJOIN_EVERY, Membership
 from gossamer.metrics import consensus_distance
 from gossamer.train import checkpoint as ckpt
 from gossamer.train import dcp
 from gossamer.train.agreement import check_agreement, describe_run
 from gossamer.train.config import TrainConfig, learning_rate
 from gossamer.train.data import Dataset, ShardSampler, partition
+from gossamer.train.elastic import share_state
 from gossamer.train.metrics import (
     MetricsLog,
     Progress,
@@ -81,16 +82,19 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     # Every worker must train the same thing: a mismatch stops them all here, before the
     # algorithm's first collective. Its traffic and time are not the algorithm's.
     b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
-    check_agreement(comm, describe_run(config, comm.world_size, dataset))
+    rejoining = membership is not None and membership.joined_at is not None
+    # the worker's id and the world at the start: its shard, whatever the membership
+    me, size = (membership.me, membership.size) if rejoining else (comm.rank, comm.world_size)
+    if not rejoining:  # (a restarted worker receives the state of a member instead)
+        check_agreement(comm, describe_run(config, comm.world_size, dataset))
     setup = {"bytes": comm.stats.total_bytes_sent - b,
              "messages": comm.stats.total_messages_sent - m, "time": comm.clock() - t}
     torch.manual_seed(config.seed)  # the same initial model on every worker
     device = getattr(comm, "device", torch.device("cpu"))  # CUDA under NCCL
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     model.to(device)
-    shards = partition(dataset.y_train.numpy(), comm.world_size, scheme=config.partition,
+    shards = partition(dataset.y_train.numpy(), size, scheme=config.partition,
                        alpha=config.alpha, seed=config.seed)
-    me, size = comm.rank, comm.world_size  # at the start: its shard, whatever the membership
     sampler = ShardSampler(shards[me], config.batch_size, seed=config.seed * 7919 + me)
     if membership is None and config.on_failure == "continue":
         membership = Membership(comm)
@@ -108,7 +112,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     algorithm = algorithm if algorithm is not None else config.algorithm
     optimizer = distribute(model, make_optimizer(config, model), algorithm, comm,
                            nonfinite=config.nonfinite, total_steps=config.steps,
-                           training_inputs=training_inputs)
+                           training_inputs=training_inputs, broadcast=not rejoining)
     runtime = optimizer.runtime
     # Traffic and time spent only to measure or checkpoint, not by the algorithm.
     excluded = dict(setup)
@@ -132,6 +136,10 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         # the set-up broadcast was counted before the checkpoint already
         excluded = {"bytes": comm.stats.total_bytes_sent,
                     "messages": comm.stats.total_messages_sent, "time": comm.clock()}
+    if rejoining:  # the members' model, optimizer and algorithm state, and their step
+        start = share_state(comm, membership.source(), model, optimizer, runtime, start,
+                            joining=True)
+        runtime.change_membership(comm, algorithm)
     metrics = MetricsLog(config, enabled=comm.rank == 0, resume_step=start,
                          loggers=config.loggers)
     progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet, start=start)
@@ -156,7 +164,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     window_loss, window_count = 0.0, 0
     last: dict[str, Any] = {}
     drift = 0.0  # the consensus distance at the last step, before finish()
-    faults = FaultInjector(config.faults, comm.rank, comm.world_size)  # --fault, for tests
+    faults = FaultInjector(config.faults, me, size)  # --fault, for tests
 
     def finish() -> None:
         """After the last step's update."""
@@ -189,27 +197,11 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     def regroup(error: CommError, done: int) -> int:
         """Go on with the survivors (on_failure="continue") from the step they agreed on,
         whose end (finish, evaluation, checkpoint) is done here; returns that step."""
-        nonlocal comm, metrics, progress, examples_per_step
         assert membership is not None
         while True:
-            leader = comm.rank == 0
             old = comm
             agreed = membership.regroup(error, done)
-            comm = membership.comm
-            for key, total in (("bytes", old.stats.total_bytes_sent),
-                               ("messages", old.stats.total_messages_sent),
-                               ("time", old.clock())):
-                offsets[key] += total - excluded[key]
-            excluded.update(bytes=comm.stats.total_bytes_sent,
-                            messages=comm.stats.total_messages_sent, time=comm.clock())
-            examples_per_step = config.batch_size * config.accumulation * comm.world_size
-            if comm.rank == 0 and not leader:  # the first member writes the records now
-                metrics = MetricsLog(config, enabled=True, resume_step=agreed - 1,
-                                     loggers=config.loggers)
-                progress = Progress(config.steps, enabled=not config.quiet, start=agreed)
-            if comm.rank == 0:
-                metrics.write({"kind": "membership", "step": agreed,
-                               "members": membership.history[-1]["members"]})
+            switch(old, agreed)
             try:
                 runtime.step = agreed
                 excluding(runtime.change_membership, comm,
@@ -222,10 +214,46 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             except CommError as again:  # another failure while going on: agree again
                 error, done = again, agreed
 
+    def switch(old: Communicator, step: int) -> None:
+        """Go on over ``membership.comm`` after the membership changed at ``step``."""
+        nonlocal comm, metrics, progress, examples_per_step
+        assert membership is not None
+        leader, comm = old.rank == 0, membership.comm
+        for key, total in (("bytes", old.stats.total_bytes_sent),
+                           ("messages", old.stats.total_messages_sent), ("time", old.clock())):
+            offsets[key] += total - excluded[key]
+        excluded.update(bytes=comm.stats.total_bytes_sent,
+                        messages=comm.stats.total_messages_sent, time=comm.clock())
+        examples_per_step = config.batch_size * config.accumulation * comm.world_size
+        if comm.rank == 0 and not leader:  # the first member writes the records now
+            metrics = MetricsLog(config, enabled=True, resume_step=step - 1,
+                                 loggers=config.loggers)
+            progress = Progress(config.steps, enabled=not config.quiet, start=step)
+        if comm.rank == 0:
+            metrics.write({"kind": "membership", "step": step,
+                           "members": membership.history[-1]["members"]})
+
+    def admit(step: int) -> None:
+        """Let the restarted workers that wait to rejoin in, after ``step``: the members
+        average exactly, then one of them gives its state to every worker."""
+        assert membership is not None
+        ids = excluding(membership.waiting)
+        if not ids:
+            return
+        runtime.settle()
+        runtime.average_parameters()
+        old = comm
+        membership.admit(ids, step)
+        switch(old, step)
+        share_state(comm, membership.source(), model, optimizer, runtime, step, joining=False)
+        runtime.change_membership(comm, config.algorithm.resolve(comm.world_size))
+
     def one_step(done: int) -> float:
         """Step ``done`` (from 1): its update, then its end; the step's training loss."""
         nonlocal window_loss, window_count
         step = done - 1
+        if membership is not None and step > start and step % REJOIN_EVERY == 0:
+            admit(step)  # restarted workers rejoin here
         faults.begin_step(comm, done)  # an injected crash, hang or slow-down starts here
         started = time.perf_counter()
         lr = learning_rate(config, step)
@@ -278,6 +306,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                 sent=format_bytes(counters()[0]),
             )
 
+    if membership is not None:
+        membership.close()  # a worker still waiting to rejoin need not wait any longer
     summary = {**last, "kind": "summary", "algorithm": config.algorithm.name,
                "world_size": comm.world_size, "rank": comm.rank}
     if membership is not None:  # (step, members) of each change: the members at the start

@@ -15,7 +15,7 @@ from typing import Any
 
 from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import launched
-from gossamer.comm.membership import Membership
+from gossamer.comm.membership import REJOIN_VARIABLE, Membership
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
@@ -240,6 +240,32 @@ def _surviving_worker(comm: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | 
         return None
 
 
+def membership_start(membership: Membership | None) -> bool:
+    """Whether this worker starts the run with the others (not a restarted one rejoining)."""
+    return membership is None or membership.joined_at is None
+
+
+def _rejoin(config: TrainConfig) -> Membership | None:
+    """A worker restarted by ``gossamer launch --on-failure continue --max-restarts N`` asks
+    the members to let it in again (they look every few steps); None when the run ended
+    first."""
+    from gossamer.comm.environment import launch_env_from
+    from gossamer.comm.membership import membership_window
+
+    env = launch_env_from(os.environ)
+    timeout = config.timeout if config.timeout is not None else default_timeout("gloo")
+    membership = Membership.rejoin(env.rank, env.world_size, env.master_addr, env.master_port,
+                                   timeout=timeout, wait=10 * membership_window(timeout))
+    if membership is None:
+        print(f"gossamer: rank {env.rank} restarted, but the run finished before it could "
+              "rejoin", file=sys.stderr)
+    else:
+        print(f"gossamer: rank {env.rank} restarted and rejoined after step "
+              f"{membership.joined_at}, as rank {membership.comm.rank} of "
+              f"{membership.comm.world_size}", file=sys.stderr)
+    return membership
+
+
 def _check_store_outlives_workers() -> None:
     """on_failure="continue" on real processes needs a rendezvous store that no worker
     hosts: the launcher's (gossamer launch), or torchrun's agent's."""
@@ -265,7 +291,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     if config.on_failure == "continue" and not config.sim:
         _check_store_outlives_workers()
     dataset = prepare(config)
-    restart = elastic_restart(config)
+    # a run that goes on without failed workers never restarts as a whole
+    restart = elastic_restart(config) if config.on_failure == "stop" else 0
     if restart:
         config = config.replace(resume=True)
     if config.resume:
@@ -299,15 +326,23 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
-        comm = TorchCommunicator.from_env(timeout=config.timeout, bind_all=config.bind_all)
-        membership = Membership(comm) if config.on_failure == "continue" else None
+        membership = None
+        if os.environ.get(REJOIN_VARIABLE) == "1":  # restarted: the others went on
+            membership = _rejoin(config)
+            if membership is None:
+                return {"kind": "summary", "rank": -1, "mode": "torch.distributed"}
+            comm = membership.comm
+        else:
+            comm = TorchCommunicator.from_env(timeout=config.timeout, bind_all=config.bind_all)
+            if config.on_failure == "continue":
+                membership = Membership(comm)
         try:
             if restart and comm.rank == 0:
                 print(f"gossamer: restart {restart} of the worker group: resuming from "
                       f"{ckpt.checkpoint_candidates(config.run_dir)[0].name}", file=sys.stderr)
             algorithm = config.algorithm.resolve(comm.world_size)
             check_shards(config, dataset, comm.world_size)
-            if config.run_dir and not config.resume:
+            if config.run_dir and not config.resume and membership_start(membership):
                 if comm.rank == 0:
                     _write_run_dir(config, dataset, comm.world_size)
                 comm.barrier()
