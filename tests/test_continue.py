@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import pytest
 
 from gossamer.cli import main
+from gossamer.comm import CommError, SimulationError
+from gossamer.comm.faults import InjectedFault
 from gossamer.launch import launch
 from gossamer.train.config import TrainConfig
 from gossamer.train.run import run_training
@@ -23,9 +26,15 @@ CRASH = "2:100:crash"
 
 @functools.cache
 def _sim(algorithm: str, faults: tuple[str, ...] = (), run_dir: str | None = None) -> dict:
-    config = TrainConfig(algorithm=algorithm, sim=4, steps=STEPS, eval_every=STEPS,
+    config = TrainConfig(algorithm=algorithm, sim=4, steps=STEPS, eval_every=STEPS, timeout=3,
                          quiet=True, on_failure="continue", faults=faults, run_dir=run_dir)
     return run_training(config)
+
+
+def _tiny(algorithm: str, *faults: str, **settings) -> dict:
+    """6 steps of 4 simulated workers (virtual timeout 3 s)."""
+    return run_training(TrainConfig(algorithm=algorithm, sim=4, steps=6, quiet=True,
+                                     timeout=3, faults=faults, **settings))
 
 
 # --------------------------------------------------------------- methods that cannot go on
@@ -85,6 +94,47 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
     kinds = [r["kind"] for r in records]
     assert "membership" in kinds and kinds[-1] == "summary"
     assert records[-1]["step"] == STEPS and records[-1]["world_size"] == 3
+
+
+# --------------------------------- docs/reliability.md: every method against every failure
+
+# one method of each row of the table, and the methods that go on
+ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "wagma",
+        "gossipgrad"]
+CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr"]
+
+
+@pytest.mark.parametrize("algorithm", ROWS)
+def test_table_a_crash_stops_every_worker_by_default(algorithm):
+    with pytest.raises(SimulationError) as error:
+        _tiny(algorithm, "1:3:crash")
+    failures = error.value.failures
+    assert sorted(failures) == [0, 1, 2, 3] and isinstance(failures[1], InjectedFault)
+    assert all(isinstance(failures[r], CommError) for r in (0, 2, 3))
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang"])
+@pytest.mark.parametrize("algorithm", CONTINUING)
+def test_table_survivors_go_on_after_a_crash_or_a_hang(algorithm, kind):
+    result = _tiny(algorithm, f"1:3:{kind}", on_failure="continue")
+    assert result["membership"][-1]["members"] == [0, 2, 3] and result["world_size"] == 3
+    assert result["step"] == 6 and math.isfinite(result["eval_loss"])
+
+
+@pytest.mark.parametrize("algorithm", ["sgp", "localsgd"])
+def test_table_a_nan_under_continue_leaves_that_worker_behind_or_is_skipped(algorithm, capsys):
+    raised = _tiny(algorithm, "1:3:nan", on_failure="continue")
+    assert raised["membership"][-1]["members"] == [0, 2, 3]
+    assert "rank 1: non-finite values" in capsys.readouterr().err
+    skipped = _tiny(algorithm, "1:3:nan", on_failure="continue", nonfinite="skip")
+    assert len(skipped["membership"]) == 1 and skipped["skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("algorithm", ROWS)
+def test_table_a_slow_link_delays_but_never_fails(algorithm):
+    fast = _tiny(algorithm)
+    slow = _tiny(algorithm, links=("1:2:1mbit",))  # 1000 times slower than the others
+    assert slow["wall_clock"] >= fast["wall_clock"] and math.isfinite(slow["eval_loss"])
 
 
 # ------------------------------------------------------------------- 4 gloo processes

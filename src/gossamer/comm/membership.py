@@ -43,7 +43,8 @@ import torch
 
 from gossamer.comm.base import CommError, CommTimeoutError, Communicator
 
-__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "membership_window"]
+__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "last_members",
+           "membership_window"]
 
 POLL = 0.1  # seconds between two looks at who has joined (virtual in the simulator)
 REJOIN_EVERY = 10  # steps between two looks for restarted workers waiting to rejoin
@@ -240,6 +241,15 @@ class Membership:
             return True
         return bool(self.comm.peer_alive(self.members.index(member)))
 
+
+
+def last_members(store: Any) -> tuple[int, ...] | None:
+    """The members of the newest epoch agreed in ``store`` (a TCPStore), or None if the
+    membership never changed: what the launcher reads to stop a worker the others left."""
+    kv, epoch, members = _TorchStore(store), 1, None
+    while (decided := kv.get(f"{epoch}/decided")) is not None:
+        members, epoch = _decision(decided)[1], epoch + 1
+    return members
 
 
 def _decision(text: str) -> tuple[int, tuple[int, ...]]:

@@ -8,7 +8,7 @@ the store outlives any worker: the survivors agree on their new membership there
 train), with ``GOSSAMER_REJOIN=1``: it asks the members to let it in, and they do at their
 next look (every few steps), giving it their state. Once one worker has finished, the others
 get the time the survivors may take to agree and finish (``linger``), then a worker still
-running (hung) is stopped.
+running is stopped; one the others went on without (hung) is stopped at once.
 
 The launcher exits 0 when at least one worker finished the run, and names each worker the
 others went on without; when none finished, it exits with the first failed worker's code.
@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import torchrun_variables
-from gossamer.comm.membership import REJOIN_VARIABLE, membership_window
+from gossamer.comm.membership import REJOIN_VARIABLE, last_members, membership_window
 from gossamer.launch.netem import SignalGuard
 from gossamer.launch.supervisor import TIMED_OUT, Output, Supervisor, describe_exit, shell_code
 
@@ -85,6 +85,11 @@ def run_continuing(train_args: list[str], nproc: int, env: dict[str, str],
             codes[rank] = code
             if code == 0 and finish_by is None:
                 finish_by = time.monotonic() + _linger(timeout)
+                left = sorted(set(running) - set(last_members(store) or range(nproc)))
+                if left:  # the run is over for them: the others went on without them
+                    _say(output, f"stopping ranks {left}: the others finished without them")
+                    for other in left:
+                        workers[other].stop()
             elif code != 0 and restarts < max_restarts and running and finish_by is None:
                 restarts += 1
                 _say(output, f"rank {rank} {describe_exit(code)}; restarting it (restart "

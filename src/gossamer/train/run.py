@@ -229,14 +229,19 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
 
 def _surviving_worker(comm: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
     """:func:`~gossamer.train.loop.train_worker` of a simulated run that goes on without
-    its failed workers (on_failure="continue"): a worker that crashed or hung on purpose
-    returns None, the others their summaries."""
+    its failed workers (on_failure="continue"): a worker that crashed or hung on purpose, or
+    stopped at a non-finite value (nonfinite="raise"), returns None, as its process would
+    exit; the others return their summaries."""
     from gossamer.comm.faults import InjectedFault
     from gossamer.train.loop import train_worker
 
     try:
         return train_worker(comm, *args, **kwargs)
     except InjectedFault:
+        return None
+    except FloatingPointError as error:  # its own values: the others go on without it
+        print(f"gossamer train (rank {comm.rank}): {type(error).__name__}: {error}; the "
+              "others go on without it", file=sys.stderr)
         return None
 
 
