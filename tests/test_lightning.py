@@ -70,7 +70,8 @@ def _fit(algorithm, root: str, steps: int, accumulate: int = 1) -> dict:
     trainer = _trainer(strategy, root, max_steps=steps, accumulate_grad_batches=accumulate)
     trainer.fit(module, _loader())
     optimizer = strategy.distributed_optimizers[0]
-    return {"synchronizations": optimizer.runtime.synchronizations,"initial": initial, "final": _params(module), "seen": module.seen,
+    return {"synchronizations": optimizer.runtime.synchronizations,
+            "initial": initial, "final": _params(module), "seen": module.seen,
             "bytes": optimizer.comm.stats.total_bytes_sent, "steps": optimizer.runtime.step,
             "global_step": trainer.global_step, "ddp": type(strategy.model).__name__}
 

@@ -1,7 +1,7 @@
-"""Compressed averaging during backward: AllReduce with a compressor starts each bucket's
-reduction on a communication thread as soon as its gradients are ready, and the DDP comm
-hooks return their futures without waiting for the reduction; both give what the reduction
-after backward (the simulator's) gives, with the same bytes."""
+"""Averaging on a communication thread during backward: AllReduce with a compressor and
+GossipGraD (exact or compressed) start each bucket's reduction as soon as its gradients are
+ready, and the DDP comm hooks return their futures without waiting for the reduction; they
+give what the reduction after backward (the simulator's) gives, with the same bytes."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from test_allreduce import _deep_model as _model  # several buckets, an unused p
 from torch import nn
 
 import gossamer
-from gossamer.algorithms import DGC, PowerSGDAllReduce
+from gossamer.algorithms import DGC, GossipGraD, PowerSGDAllReduce
 from gossamer.comm import SimWorld
 
 STEPS = 4
 WORLD = 2
 METHODS = {"dgc": DGC(ratio=0.05, warmup_steps=2, bucket_mb=0.004),
-           "powersgd": PowerSGDAllReduce(rank=2, bucket_mb=0.004)}
+           "powersgd": PowerSGDAllReduce(rank=2, bucket_mb=0.004),
+           "gossipgrad": GossipGraD(bucket_mb=0.004, average_at_end=False),
+           "gossipgrad topk": GossipGraD(compression="topk:ratio=0.1", bucket_mb=0.004,
+                                         average_at_end=False)}
 
 
 def _batches(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,20 +37,24 @@ def _params(model: nn.Module) -> torch.Tensor:
 
 
 def train(comm, name: str, accumulation: str = "none") -> dict:
-    """STEPS steps of a compressed AllReduce; on gloo, the order of the last step's events:
-    a bucket handed to the communication thread, the first layer's gradient computed."""
+    """STEPS steps of a compressed AllReduce or GossipGraD; on gloo, the order of the last
+    step's events: a bucket handed to the communication thread, the first layer's gradient
+    computed."""
     model = _model()
     optimizer = gossamer.distribute(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), METHODS[name], comm)
     events: list[str] = []
-    compressed = optimizer.runtime.compressed
+    runtime = optimizer.runtime
+    compressed = runtime.exchange if name.startswith("gossipgrad") else runtime.compressed
     if compressed.thread is not None:
         submit = compressed.thread.submit
         compressed.thread.submit = lambda *a: (events.append("bucket"), submit(*a))[1]
     model[0].weight.register_hook(lambda g: events.append("first layer"))
     threads: set[str] = set()
-    gather = comm.all_gather
+    gather, exchange = comm.all_gather, comm.exchange
     comm.all_gather = lambda t: (threads.add(threading.current_thread().name), gather(t))[1]
+    comm.exchange = lambda *a, **k: (threads.add(threading.current_thread().name),
+                                     exchange(*a, **k))[1]
     before = comm.stats.total_bytes_sent
     xs, ys = _batches(comm.rank)
     error = None
@@ -128,7 +135,7 @@ def gloo_results() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.parametrize("name", list(METHODS))
-def test_compressed_buckets_start_during_backward_and_equal_the_simulator(gloo_results, name):
+def test_buckets_start_during_backward_and_equal_the_simulator(gloo_results, name):
     sim = SimWorld(WORLD).run(train, name)
     for rank, result in enumerate(gloo_results):
         mine = result[name]
@@ -141,7 +148,7 @@ def test_compressed_buckets_start_during_backward_and_equal_the_simulator(gloo_r
         first = mine["events"].index("first layer")
         assert mine["events"][:first].count("bucket") >= 1, mine["events"]
         assert mine["events"].count("bucket") == mine["buckets"]
-        if name == "dgc":  # all-gathered
+        if name != "powersgd":  # all-gathered or exchanged (PowerSGD: all-reduced)
             assert mine["threads"] == {"gossamer-comm_0"}
         # the simulator reduces the same buckets after backward
         assert sim[rank]["events"] == ["first layer"]

@@ -51,7 +51,7 @@ from torch import nn
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets, apply_flat
-from gossamer.algorithms.nonfinite import all_finite
+from gossamer.algorithms.overlap import FIRST_BUCKET_BYTES, ThreadedBuckets, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, value_dtype
@@ -178,6 +178,72 @@ class GradientGossip:
             g.copy_(out.mul_(0.5).view_as(g))
 
 
+class GossipBuckets(ThreadedBuckets):
+    """GossipGraD's exchange, bucket by bucket: each bucket combined with the partner's
+    (:meth:`GradientGossip.combine`, or :meth:`GradientGossip.combine_compressed` with the
+    runtime's compressor), during backward where the communicator overlaps.
+
+    Args:
+        runtime: the worker's runtime (its gossip, compressor, memory and step).
+        named: ``(name, parameter)`` in bucket order (reverse registration order).
+        bucket_bytes: bytes per bucket at most (the first at most 1 MiB).
+        overlap: start the buckets during backward where the communicator can.
+    """
+
+    what = "gossipgrad"
+
+    def __init__(self, runtime: GossipGraDRuntime, named: Sequence[tuple[str, nn.Parameter]],
+                 bucket_bytes: int, overlap: bool = True) -> None:
+        self.runtime = runtime
+        self.buckets = Buckets([p for _, p in named], bucket_bytes=bucket_bytes,
+                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
+        super().__init__(named, [bucket for bucket, _, _ in self.buckets.slots],
+                         overlap and overlaps(runtime.comm))
+
+    def _prepare(self, bucket: int, overflow: bool = False) -> tuple:
+        """Bucket ``bucket``'s gradients (zeros for missing ones, and in place of non-finite
+        ones), flat or named, with the step."""
+        members = self.members[bucket]
+        step = self.runtime.step
+        if self.runtime.compressor is not None:
+            for i in members:
+                p = self.params[i]
+                if p.grad is None:  # unused here, maybe not at the partner: its gradient is 0
+                    p.grad = torch.zeros_like(p)
+            named = [(self.named[i][0], self.params[i].grad) for i in members]
+            self._finite_or_zeros(named, overflow)
+            return named, step
+        present = [(self.named[i][0], self.params[i].grad) for i in members
+                   if self.params[i].grad is not None]
+        for i in members:
+            grad = self.params[i].grad
+            if grad is None:
+                self.buckets.views[i].zero_()
+            else:
+                self.buckets.views[i].copy_(grad)
+        buffer = self.buckets.buffers[bucket]
+        self._finite_or_zeros(present, overflow, zeros=buffer)
+        return buffer, step
+
+    def _send(self, what: torch.Tensor | list[tuple[str, torch.Tensor]], step: int) -> None:
+        runtime = self.runtime
+        if isinstance(what, torch.Tensor):
+            runtime.gossip.combine([what], step)
+        else:
+            assert runtime.compressor is not None
+            runtime.gossip.combine_compressed(what, step, runtime.compressor, runtime.memory)
+
+    def _finish(self) -> None:
+        if self.runtime.compressor is not None:
+            return  # combined in place in the gradients
+        for p, combined in zip(self.params, self.buckets.views, strict=True):
+            if p.grad is None:
+                # Unused here but maybe not at the partner: take the combined gradient anyway.
+                p.grad = combined.clone()
+            else:
+                p.grad.copy_(combined)
+
+
 def check_gossip_compression(compression: Compression) -> None:
     """ValueError naming ``compression`` unless a gossip exchange can carry it: one round
     (PowerSGD's second needs a sum over every worker of the first) and a memory that is
@@ -224,6 +290,11 @@ class GossipGraD(Algorithm):
             :class:`~gossamer.compress.Compression` or its spec, ``"topk:ratio=0.01"``
             (default None: exact gradients). One-round compressors without momentum
             correction: ``topk``, ``randomk``, ``qsgd``, ``fp16``.
+        overlap: on real processes, exchange each bucket during backward as soon as its
+            gradients are ready, buckets in reverse registration order, on a communication
+            thread (default True; the simulator exchanges the same buckets after backward).
+            Every worker must register the parameters in the same order, and gradient
+            accumulation needs ``no_sync()``.
 
     Example::
 
@@ -251,6 +322,8 @@ class GossipGraD(Algorithm):
     compression: Compression | str | None = option(
         None, "a compressor spec NAME[:KEY=VALUE...] for the partner exchange, with error "
         "feedback (topk, randomk, qsgd, fp16); none: exact gradients")
+    overlap: bool = option(True, "start each bucket's exchange during backward, as soon as "
+                           "its gradients are ready (DDP's schedule, on real processes)")
 
     def __post_init__(self) -> None:
         if self.compression is not None:
@@ -260,7 +333,7 @@ class GossipGraD(Algorithm):
         check_int("local_group_size", self.local_group_size, 1)
         check_int("seed", self.seed, 0)
         check_int("allreduce_every", self.allreduce_every, 0)
-        for flag in ("shuffle", "average_before_eval", "average_at_end"):
+        for flag in ("shuffle", "average_before_eval", "average_at_end", "overlap"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if not (isinstance(self.bucket_mb, (int, float)) and not isinstance(self.bucket_mb, bool)
@@ -288,8 +361,8 @@ class GossipGraDRuntime(ExactAverages, Runtime):
         super().__init__(comm, model, optimizer)
         config.validate(comm.world_size)
         self.config = config
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets = Buckets(self.params, bucket_bytes=int(config.bucket_mb * 2**20))
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         self.gossip = GradientGossip(comm, topology=config.topology,
                                      local_group_size=config.local_group_size,
                                      seed=config.seed, shuffle=config.shuffle)
@@ -301,9 +374,9 @@ class GossipGraDRuntime(ExactAverages, Runtime):
             # the members of a node compress the same mean: the same draws and memory
             self.compressor = compressor.for_worker(self.gossip.node)
             self.memory = memory.fresh() if memory is not None else None
-            # by name: the same order on every worker, whatever order the model registers
-            self.named = sorted(((name, p) for name, p in model.named_parameters()
-                                 if p.requires_grad), key=lambda item: item[0])
+        # DDP's buckets: reverse registration order, which every worker must share
+        self.exchange = GossipBuckets(self, list(reversed(named)),
+                                      int(config.bucket_mb * 2**20), overlap=config.overlap)
 
     def check_gradients(self) -> None:
         """Nothing here: after_backward checks the flat copy it sends."""
@@ -311,40 +384,22 @@ class GossipGraDRuntime(ExactAverages, Runtime):
 
     @torch.no_grad()
     def after_backward(self) -> None:
-        if self.compressor is not None:
-            self._compressed()
-            return
-        self.buckets.gather([p.grad for p in self.params])
-        if not all_finite(self.buckets.buffers):
+        # combined during backward already (overlap), or here; a worker with a non-finite
+        # gradient sent zeros in place of each bucket that held one (its partners wait for a
+        # message) and applies what the combination gives, or raises afterwards
+        self.exchange.reduce()
+        found = self.exchange.found
+        self.exchange.new_step()
+        if found is not None:
             if self.nonfinite == "raise":
-                raise self.nonfinite_error("gradient")
-            # skip: this worker's gradient is dropped; it sends zeros in its place (the
-            # partners wait for a message) and applies what the combination gives
-            for buffer in self.buckets.buffers:
-                buffer.zero_()
+                raise self.nonfinite_error("gradient", found=found)
             self.skipped_steps += 1
-        self.gossip.combine(self.buckets.buffers, self.step)
-        for p, combined in zip(self.params, self.buckets.views, strict=True):
-            if p.grad is None:
-                # Unused here but maybe not at the partner: take the combined gradient anyway.
-                p.grad = combined.clone()
-            else:
-                p.grad.copy_(combined)
 
-    def _compressed(self) -> None:
-        for _, p in self.named:
-            if p.grad is None:  # unused here, maybe not at the partner: its gradient is zero
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for _, p in self.named]
-        if not all_finite(grads):
-            if self.nonfinite == "raise":
-                raise self.nonfinite_error("gradient")
-            for grad in grads:  # zeros in its place: no memory ever holds the value
-                grad.zero_()
-            self.skipped_steps += 1
-        assert self.compressor is not None
-        self.gossip.combine_compressed([(name, p.grad) for name, p in self.named], self.step,
-                                       self.compressor, self.memory)
+    def pause_gradient_sync(self, paused: bool) -> None:
+        self.exchange.syncing = not paused
+
+    def use_scaler(self, scaled: bool) -> None:
+        self.exchange.scaled = scaled  # exchange only what the workers agreed is finite
 
     def after_step(self) -> None:
         self.periodic_average()

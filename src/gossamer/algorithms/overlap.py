@@ -287,10 +287,98 @@ class GradientBuckets(BackwardSchedule):
                 p.grad.copy_(averaged)
 
 
-class CompressedBuckets(BackwardSchedule):
+class ThreadedBuckets(BackwardSchedule):
+    """A :class:`BackwardSchedule` whose buckets are sent by calls that block (a compressed
+    reduction, a gossip exchange): during backward on a :class:`CommThread`, one bucket
+    after the other, where the communicator overlaps; elsewhere by :meth:`reduce`, after
+    backward, through the same calls in the same order.
+
+    A subclass prepares a bucket on the caller's thread (:meth:`_prepare`: its arguments for
+    :meth:`_send`, which may run on the communication thread) and writes the results when
+    every bucket is done (:meth:`_finish`). It describes the non-finite gradients it replaced by
+    zeros in ``found`` (:meth:`_finite_or_zeros`).
+
+    ``scaled`` (set by the runtime while a GradScaler steps the optimizer) keeps everything
+    after backward, where the gradients have been unscaled and the workers agreed on an
+    overflow. A second backward before the step (without ``no_sync``) is an error: these
+    reductions are not linear (a memory is updated once per step; a gossip average is not
+    idempotent).
+    """
+
+    def __init__(self, named: NamedParameters, bucket_of: Sequence[int], overlap: bool) -> None:
+        super().__init__(named, bucket_of, overlap)
+        self.thread = CommThread() if overlap else None
+        self.scaled = False
+        self._jobs: list[Future] = []
+        self._found: list[str] = []  # this step's non-finite gradients, described
+
+    def new_step(self) -> None:
+        self._found = []
+        super().new_step()
+
+    @property
+    def found(self) -> str | None:
+        """This step's non-finite gradients, described (None: none)."""
+        return "; ".join(self._found) or None
+
+    def _during_backward(self) -> bool:
+        if self.scaled:
+            return False
+        if self.averaged and not self._queued:
+            raise RuntimeError(
+                f"{self.what}: a second backward() before optimizer.step(), which this "
+                "reduction cannot take twice in a step: wrap every micro-batch's backward but "
+                "the last in optimizer.no_sync()")
+        return True
+
+    what = "averaging during backward"
+
+    def _prepare(self, bucket: int, overflow: bool = False) -> tuple:
+        raise NotImplementedError
+
+    def _send(self, *args: object) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Every bucket is done (default: nothing to write)."""
+
+    def _start(self, bucket: int) -> None:
+        """Prepare bucket ``bucket`` here, and send it on the communication thread."""
+        assert self.thread is not None
+        self._jobs.append(self.thread.submit(self._send, *self._prepare(bucket)))
+
+    def _complete(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        CommThread.wait(jobs)
+        self._finish()
+
+    def reduce(self, overflow: bool | None = None) -> None:
+        """Send every bucket now (unless a backward did already), one after the other;
+        ``overflow`` (a GradScaler's finding here) counts every gradient as non-finite."""
+        if self.averaged:
+            return
+        self._begin()
+        for bucket in range(len(self.members)):
+            self._send(*self._prepare(bucket, bool(overflow)))
+        self._finish()
+        self.averaged = True
+
+    def _finite_or_zeros(self, named: Sequence[tuple[str, torch.Tensor]],
+                         overflow: bool = False, zeros: torch.Tensor | None = None) -> bool:
+        """Whether the gradients ``named`` are finite (and not ``overflow``); if not, they
+        are described (in ``found``) and become zeros, or ``zeros`` (their flat copy) does,
+        so that no message or memory ever holds such a value."""
+        if not overflow and all_finite([g for _, g in named]):
+            return True
+        self._found.append(describe_nonfinite(named, "gradient") or "the gradient")
+        for t in [zeros] if zeros is not None else [g for _, g in named]:
+            t.zero_()
+        return False
+
+
+class CompressedBuckets(ThreadedBuckets):
     """AllReduce's compressed average, bucket by bucket through a
-    :class:`~gossamer.compress.CompressedReducer`, started during backward on a
-    :class:`CommThread` where the communicator overlaps.
+    :class:`~gossamer.compress.CompressedReducer`.
 
     Args:
         comm: the communicator.
@@ -303,11 +391,9 @@ class CompressedBuckets(BackwardSchedule):
         prepare: called on each bucket's ``(name, parameter)`` before it is compressed, with
             the gradients present (a missing one is zeros): weight decay in the gradient.
         overlap: start the buckets during backward where the communicator can.
-
-    ``scaled`` (set by the runtime while a GradScaler steps the optimizer) keeps everything
-    after backward, where the gradients have been unscaled: a memory must never hold scaled
-    gradients.
     """
+
+    what = "compressed averaging"
 
     def __init__(self, comm: Communicator, named: NamedParameters, reducer: CompressedReducer,
                  flags: torch.Tensor, bucket_bytes: int, *, step: Callable[[], int],
@@ -316,73 +402,24 @@ class CompressedBuckets(BackwardSchedule):
         self._step, self._prepare_bucket = step, prepare
         slots, _, _ = layout([p for _, p in named], bucket_bytes,
                              min(FIRST_BUCKET_BYTES, bucket_bytes))
-        overlap = overlap and overlaps(comm)
-        super().__init__(named, [bucket for bucket, _, _ in slots], overlap)
-        self.thread = CommThread() if overlap else None
-        self.scaled = False
-        self._jobs: list[Future] = []
-        self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
-
-    def new_step(self) -> None:
-        self._nonfinite = []
-        super().new_step()
-
-    @property
-    def found(self) -> str | None:
-        """This step's non-finite gradients, described (None: none)."""
-        return describe_nonfinite(self._nonfinite, "gradient")
-
-    def _during_backward(self) -> bool:
-        if self.scaled:
-            return False
-        if self.averaged and not self._queued:
-            raise RuntimeError(
-                "compressed averaging: a second backward() before optimizer.step(); the "
-                "compressor's memory is updated once per step: wrap every micro-batch's "
-                "backward but the last in optimizer.no_sync()")
-        return True
+        super().__init__(named, [bucket for bucket, _, _ in slots], overlap and overlaps(comm))
 
     def _begin(self) -> None:
         self.flags.zero_()
 
-    def _gradients(self, bucket: int, overflow: bool = False) -> list[tuple[str, torch.Tensor]]:
+    def _prepare(self, bucket: int, overflow: bool = False) -> tuple:
         """Bucket ``bucket``'s gradients, ready to compress: zeros for missing ones, prepared,
         and zeros with this rank's flag in place of non-finite ones (of every one with
-        ``overflow``), so that no message or memory ever holds such a value."""
+        ``overflow``); with the step and whether it is the last bucket."""
         named = [self.named[i] for i in self.members[bucket]]
         for _, p in named:
             if p.grad is None:  # unused here, maybe not elsewhere: its gradient is zero
                 p.grad = torch.zeros_like(p)
         self._prepare_bucket(named)
         grads = [(name, p.grad) for name, p in named]
-        if overflow or not all_finite([g for _, g in grads]):
-            self._nonfinite += grads
-            for _, g in grads:
-                g.zero_()
+        if not self._finite_or_zeros(grads, overflow):
             set_flag(self.flags, self.comm.rank)
-        return grads
+        return grads, self._step(), bucket == len(self.members) - 1
 
-    def _reduce(self, grads: list[tuple[str, torch.Tensor]], step: int, last: bool) -> None:
+    def _send(self, grads: list[tuple[str, torch.Tensor]], step: int, last: bool) -> None:
         self.reducer.reduce(grads, step, flags=self.flags if last else None, checked=True)
-
-    def _start(self, bucket: int) -> None:
-        """Prepare bucket ``bucket`` here, and reduce it on the communication thread."""
-        assert self.thread is not None
-        last = bucket == len(self.members) - 1
-        self._jobs.append(self.thread.submit(self._reduce, self._gradients(bucket),
-                                             self._step(), last))
-
-    def _complete(self) -> None:
-        jobs, self._jobs = self._jobs, []
-        CommThread.wait(jobs)
-
-    def reduce(self, overflow: bool | None) -> None:
-        """Reduce every bucket now (unless a backward did already), one after the other;
-        ``overflow`` (a GradScaler's finding here) flags this rank."""
-        if self.averaged:
-            return
-        self.flags.zero_()
-        for bucket in range(len(self.members)):
-            self._reduce(self._gradients(bucket, bool(overflow)), self._step(),
-                         bucket == len(self.members) - 1)
-        self.averaged = True
