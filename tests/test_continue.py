@@ -99,15 +99,16 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 # --------------------------------- docs/reliability.md: every method against every failure
 
 # one method of each row of the table, and the methods that go on
-ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "wagma",
-        "gossipgrad"]
+ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "sparta", "demo",
+        "wagma", "gossipgrad"]
 CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr"]
 
 
+@pytest.mark.parametrize("kind", ["crash", "hang"])
 @pytest.mark.parametrize("algorithm", ROWS)
-def test_table_a_crash_stops_every_worker_by_default(algorithm):
+def test_table_a_crash_or_hang_stops_every_worker_by_default(algorithm, kind):
     with pytest.raises(SimulationError) as error:
-        _tiny(algorithm, "1:3:crash")
+        _tiny(algorithm, f"1:3:{kind}")
     failures = error.value.failures
     assert sorted(failures) == [0, 1, 2, 3] and isinstance(failures[1], InjectedFault)
     assert all(isinstance(failures[r], CommError) for r in (0, 2, 3))
@@ -119,6 +120,20 @@ def test_table_survivors_go_on_after_a_crash_or_a_hang(algorithm, kind):
     result = _tiny(algorithm, f"1:3:{kind}", on_failure="continue")
     assert result["membership"][-1]["members"] == [0, 2, 3] and result["world_size"] == 3
     assert result["step"] == 6 and math.isfinite(result["eval_loss"])
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "sparta", "demo"])
+def test_table_a_nan_stops_its_worker_or_is_skipped(algorithm):
+    # (the other methods: tests/test_faults.py, a NaN never reaches another worker); these
+    # check their parameters when they average: rank 1 stops at the latest at its next loss
+    with pytest.raises(SimulationError) as error:
+        _tiny(algorithm, "1:3:nan")
+    failures = error.value.failures
+    assert isinstance(failures[1], FloatingPointError) and "rank 1:" in str(failures[1])
+    # the others stop waiting for it, or at the same step where they agree (DeMo)
+    assert all(isinstance(failures[r], (CommError, FloatingPointError))
+               and "rank 1" in str(failures[r]) for r in (0, 2, 3))
+    assert _tiny(algorithm, "1:3:nan", nonfinite="skip")["skipped_steps"] >= 1
 
 
 @pytest.mark.parametrize("algorithm", ["sgp", "localsgd"])
