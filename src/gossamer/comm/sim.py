@@ -174,6 +174,9 @@ class SimWorld:
             an error naming the peer (default 300).
         real_timeout: real seconds one worker may run without communicating before the run
             is declared hung (default 600).
+        timing_only: run the workers under :class:`~gossamer.comm.timing.SizeOnlyMode`, for
+            models built on the ``meta`` device: the same runtimes, calls, virtual times and
+            bytes, no values (default False). See :mod:`gossamer.comm.timing`.
     """
 
     def __init__(
@@ -185,6 +188,7 @@ class SimWorld:
         seed: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
         real_timeout: float = 600.0,
+        timing_only: bool = False,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -200,6 +204,9 @@ class SimWorld:
         self.seed = seed
         self.timeout = float(timeout)
         self.real_timeout = float(real_timeout)
+        if timing_only and self.compute.measured:
+            raise ValueError("timing_only: a measured compute model needs the real computation")
+        self.timing_only = bool(timing_only)
         self.report: SimReport | None = None
         self._in_run = False
 
@@ -215,7 +222,12 @@ class SimWorld:
         self._in_run = True
         saved_rng, saved_grad = torch.get_rng_state(), torch.is_grad_enabled()
         try:
-            return self._run(fn, args, kwargs)
+            if not self.timing_only:
+                return self._run(fn, args, kwargs)
+            from gossamer.comm.timing import SizeOnlyMode
+
+            with SizeOnlyMode():
+                return self._run(fn, args, kwargs)
         finally:
             torch.set_rng_state(saved_rng)
             torch.set_grad_enabled(saved_grad)

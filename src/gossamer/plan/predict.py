@@ -1,0 +1,123 @@
+"""Predict a method's step time, bytes and idle time on a cluster, from SimWorld's clock.
+
+:func:`predict` runs the real algorithm runtime on every simulated worker for a few steps,
+with the forward and backward passes replaced by gradients of the model's shapes (their time
+is the compute model's), in the timing-only simulator (:mod:`gossamer.comm.timing`): the
+model is built on the ``meta`` device, so 10,000 replicas of a billion parameters cost no
+memory. :func:`step_worker` is the per-worker function; with ``size_only=False`` it runs the
+same steps on real tensors in the full simulator, which gives the same virtual times and
+bytes (the contract of the timing-only mode, tested on every registered method).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gossamer.algorithms import Algorithm, create
+from gossamer.comm import ComputeModel, NetworkModel, SimWorld
+from gossamer.comm.timing import META
+
+__all__ = ["Prediction", "predict", "step_worker"]
+
+
+def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, warmup: int,
+                steps: int, size_only: bool) -> dict[str, float]:
+    """One worker: ``warmup`` then ``steps`` training steps of ``algorithm`` on the model
+    ``build()`` makes (on the meta device with ``size_only``), SGD with momentum; what the
+    measured steps cost on this worker's virtual clock. Real gradients are fixed random
+    tensors seeded by the rank; size-only ones have shapes only."""
+    import gossamer
+
+    if size_only:
+        with torch.device(META):
+            model = build()
+    else:
+        torch.manual_seed(0)  # the same initial replica everywhere, without a broadcast
+        model = build()
+    params = [p for p in model.parameters() if p.requires_grad]
+    inner = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    optimizer = gossamer.distribute(model, inner, algorithm, comm, broadcast=False,
+                                    total_steps=warmup + steps)
+    generator = torch.Generator().manual_seed(1000 + comm.rank)
+    fixed = None if size_only else [torch.randn(p.shape, generator=generator) * 1e-3
+                                    for p in params]
+
+    def step() -> None:
+        for i, p in enumerate(params):
+            if fixed is not None:
+                p.grad = fixed[i].clone()
+            elif p.grad is None:  # size-only: a gradient has no values to renew
+                p.grad = torch.empty(p.shape, device=META)
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    start = (comm.clock(), comm.idle_time, comm.stats.total_bytes_sent,
+             comm.stats.total_messages_sent)
+    for _ in range(steps):
+        step()
+    end = (comm.clock(), comm.idle_time, comm.stats.total_bytes_sent,
+           comm.stats.total_messages_sent)
+    optimizer.finish()
+    seconds, idle, sent, messages = (b - a for a, b in zip(start, end, strict=True))
+    return {"seconds": seconds, "idle": idle, "bytes": sent, "messages": messages}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What :func:`predict` found for one method at one worker count."""
+
+    method: str  # the label given
+    workers: int
+    step_time: float  # seconds per step of the slowest worker (a synchronous method's pace)
+    mean_step_time: float  # seconds per step, mean over workers (an asynchronous one's pace)
+    bytes_per_step: float  # bytes sent per worker per step, mean over workers
+    idle_fraction: float  # of the measured time, the share spent waiting, mean over workers
+    real_seconds: float  # what the simulation took on this machine
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Module], *,
+            network: NetworkModel, compute: ComputeModel, warmup: int = 2, steps: int = 3,
+            label: str | None = None, options: Mapping[str, Any] | None = None,
+            seed: int = 0) -> Prediction:
+    """Simulate ``steps`` steps (after ``warmup``) of ``algorithm`` on ``workers`` workers of
+    the model ``build()`` makes, timing-only; the time per step, bytes per step and idle
+    fraction.
+
+    Example::
+
+        from gossamer.plan.models import resnet50
+        p = predict("sgp", 32, resnet50, network=NetworkModel(bandwidth="10gbit"),
+                    compute=ComputeModel(step_time=0.25))
+        p.step_time, p.bytes_per_step
+    """
+    import time
+
+    if isinstance(algorithm, str):
+        label = label or algorithm
+        algorithm = create(algorithm, options)
+    algorithm = algorithm.resolve(workers)
+    world = SimWorld(workers, network=network, compute=compute, seed=seed, timing_only=True)
+    started = time.perf_counter()
+    rows = world.run(step_worker, algorithm, build, warmup=warmup, steps=steps,
+                     size_only=True)
+    real = time.perf_counter() - started
+    per_step = [r["seconds"] / steps for r in rows]
+    return Prediction(
+        method=label or algorithm.name,
+        workers=workers,
+        step_time=max(per_step),
+        mean_step_time=sum(per_step) / workers,
+        bytes_per_step=sum(r["bytes"] for r in rows) / workers / steps,
+        idle_fraction=sum(r["idle"] / r["seconds"] if r["seconds"] else 0.0
+                          for r in rows) / workers,
+        real_seconds=real,
+    )
