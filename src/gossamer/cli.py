@@ -1,5 +1,5 @@
 """The ``gossamer`` command: ``train``, ``compare``, ``plot``, ``topology``, ``launch``,
-``bench``, ``algorithms``.
+``bench``, ``plan``, ``algorithms``.
 
 Examples::
 
@@ -12,6 +12,7 @@ Examples::
     gossamer launch --nproc 4 --emulate bandwidth=1gbit,delay=1ms -- --run-dir runs/emu
     gossamer bench                                   # list the benchmarks
     gossamer bench sim_overhead --workers 16
+    gossamer plan --workers 8 32 128 --model resnet50 --bandwidth 10gbit
     gossamer algorithms
 """
 
@@ -184,6 +185,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench_cli.add_arguments(p)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from gossamer.plan import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help=plan_cli.HELP,
+                                          description=plan_cli.DESCRIPTION))
+
+
 def summary(cls: type) -> str:
     """The first paragraph of ``cls``'s docstring, on one line."""
     paragraph = (cls.__doc__ or "").strip().split("\n\n")[0]
@@ -227,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_topology(sub)
     _add_launch(sub)
     _add_bench(sub)
+    _add_plan(sub)
     sub.add_parser("algorithms", help="list the registered algorithms and their options")
     return parser
 
@@ -247,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gossamer.bench import cli as bench_cli
 
             return bench_cli.run(args)
+        if args.command == "plan":
+            from gossamer.plan import cli as plan_cli
+
+            return plan_cli.run(args)
         if args.command == "plot":
             from gossamer.train.report import run_plot
 

@@ -29,11 +29,18 @@ class NetworkModel:
             computed (default 1): simulates a model ``size_scale`` times larger than the one
             computed, e.g. ResNet-50's 25.6M parameters with a 0.1M-parameter stand-in. Byte
             counters keep counting real bytes.
+        node_size: workers per node (default 1: every link is a network link): ranks
+            ``[k G, (k + 1) G)`` share node k, and a message between two of them takes
+            ``node_latency`` and ``node_bandwidth`` (e.g. NVLink) instead; each worker still
+            has one NIC. The per-link overrides win over both.
+        node_latency: seconds per message inside a node (default None: ``latency``).
+        node_bandwidth: the rate inside a node (default None: ``bandwidth``).
 
     Example::
 
         net = NetworkModel(latency=5e-6, bandwidth="100gbit")  # bandwidth == 12.5e9 bytes/s
         slow = NetworkModel(bandwidth=125e6, link_bandwidth={(0, 1): "100mbit"})
+        nodes = NetworkModel(bandwidth="10gbit", node_size=8, node_bandwidth="1000gbit")
     """
 
     latency: float = 50e-6  # lower: small messages (gossip, barriers) get cheaper
@@ -41,25 +48,45 @@ class NetworkModel:
     link_latency: Mapping[tuple[int, int], float] = field(default_factory=dict)
     link_bandwidth: Mapping[tuple[int, int], float] = field(default_factory=dict)
     size_scale: float = 1.0  # higher: messages cost as if the model were that much larger
+    node_size: int = 1  # higher: more workers share a node's fast links
+    node_latency: float | None = None  # lower: messages inside a node get cheaper
+    node_bandwidth: float | None = None  # higher: large messages inside a node get cheaper
 
     def __post_init__(self) -> None:
         check_positive("size_scale", self.size_scale, allow_zero=False)
         check_positive("latency", self.latency, allow_zero=True)
         # rates in, bytes per second kept: frozen, so set through object.__setattr__
         object.__setattr__(self, "bandwidth", parse_rate(self.bandwidth, arg="bandwidth"))
+        if isinstance(self.node_size, bool) or not isinstance(self.node_size, int) \
+                or self.node_size < 1:
+            raise ValueError(f"node_size must be an int >= 1, got {self.node_size!r}")
+        if self.node_latency is not None:
+            check_positive("node_latency", self.node_latency, allow_zero=True)
+        if self.node_bandwidth is not None:
+            object.__setattr__(self, "node_bandwidth",
+                               parse_rate(self.node_bandwidth, arg="node_bandwidth"))
         for (i, j), value in self.link_latency.items():
             check_positive(f"link_latency[({i}, {j})]", value, allow_zero=True)
         object.__setattr__(self, "link_bandwidth", {
             (i, j): parse_rate(value, arg=f"link_bandwidth[({i}, {j})]")
             for (i, j), value in self.link_bandwidth.items()})
 
+    def _inside(self, src: int, dst: int) -> bool:
+        return self.node_size > 1 and src // self.node_size == dst // self.node_size
+
     def transfer_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds the sender's NIC is busy with a message (no latency)."""
-        return nbytes * self.size_scale / self.link_bandwidth.get((src, dst), self.bandwidth)
+        rate = self.bandwidth
+        if self.node_bandwidth is not None and self._inside(src, dst):
+            rate = self.node_bandwidth
+        return nbytes * self.size_scale / self.link_bandwidth.get((src, dst), rate)
 
     def message_time(self, src: int, dst: int, nbytes: int) -> float:
         """Seconds from the start of sending to arrival: alpha + b * beta."""
-        return self.link_latency.get((src, dst), self.latency) + self.transfer_time(
+        latency = self.latency
+        if self.node_latency is not None and self._inside(src, dst):
+            latency = self.node_latency
+        return self.link_latency.get((src, dst), latency) + self.transfer_time(
             src, dst, nbytes
         )
 

@@ -2,7 +2,7 @@
 AllReduce on a cluster, from the timing-only simulator (see docs/plan.md)."""
 
 from gossamer.plan.models import MODELS, model_builder, parameter_count, resnet50, transformer
-from gossamer.plan.predict import Prediction, predict, step_worker
+from gossamer.plan.predict import Prediction, cycle, predict, step_worker
 
-__all__ = ["MODELS", "Prediction", "model_builder", "parameter_count", "predict", "resnet50",
-           "step_worker", "transformer"]
+__all__ = ["MODELS", "Prediction", "cycle", "model_builder", "parameter_count", "predict",
+           "resnet50", "step_worker", "transformer"]

@@ -11,6 +11,7 @@ bytes (the contract of the timing-only mode, tested on every registered method).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from gossamer.algorithms import Algorithm, create
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 from gossamer.comm.timing import META
 
-__all__ = ["Prediction", "predict", "step_worker"]
+__all__ = ["Prediction", "cycle", "predict", "step_worker"]
 
 
 def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, warmup: int,
@@ -68,12 +69,22 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
     return {"seconds": seconds, "idle": idle, "bytes": sent, "messages": messages}
 
 
+def cycle(algorithm: Algorithm) -> int:
+    """The steps after which ``algorithm``'s pattern of communication repeats: the least
+    common multiple of its averaging period and its exact-average interval (1 when it
+    communicates alike every step). A measurement over whole cycles counts the periodic
+    averages at their rate."""
+    every = [getattr(algorithm, name, 0) for name in ("period", "allreduce_every")]
+    return math.lcm(1, *(int(v) for v in every if isinstance(v, int) and v > 0))
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What :func:`predict` found for one method at one worker count."""
 
     method: str  # the label given
     workers: int
+    steps: int  # measured steps (whole cycles of the method, see cycle())
     step_time: float  # seconds per step of the slowest worker (a synchronous method's pace)
     mean_step_time: float  # seconds per step, mean over workers (an asynchronous one's pace)
     bytes_per_step: float  # bytes sent per worker per step, mean over workers
@@ -90,7 +101,8 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
             seed: int = 0) -> Prediction:
     """Simulate ``steps`` steps (after ``warmup``) of ``algorithm`` on ``workers`` workers of
     the model ``build()`` makes, timing-only; the time per step, bytes per step and idle
-    fraction.
+    fraction. ``steps`` is rounded up to whole cycles of the method (:func:`cycle`: local
+    SGD's period, WAGMA's global rounds).
 
     Example::
 
@@ -105,6 +117,7 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
         label = label or algorithm
         algorithm = create(algorithm, options)
     algorithm = algorithm.resolve(workers)
+    steps = -(-steps // cycle(algorithm)) * cycle(algorithm)
     world = SimWorld(workers, network=network, compute=compute, seed=seed, timing_only=True)
     started = time.perf_counter()
     rows = world.run(step_worker, algorithm, build, warmup=warmup, steps=steps,
@@ -114,6 +127,7 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     return Prediction(
         method=label or algorithm.name,
         workers=workers,
+        steps=steps,
         step_time=max(per_step),
         mean_step_time=sum(per_step) / workers,
         bytes_per_step=sum(r["bytes"] for r in rows) / workers / steps,
