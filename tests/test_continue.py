@@ -9,12 +9,15 @@ import json
 import math
 
 import pytest
+import torch
 
+import gossamer
 from gossamer.cli import main
-from gossamer.comm import CommError, SimulationError
+from gossamer.comm import CommError, SimulationError, SimWorld
 from gossamer.comm.faults import InjectedFault
 from gossamer.launch import launch
 from gossamer.train.config import TrainConfig
+from gossamer.train.elastic import decode, encode, share_state
 from gossamer.train.run import run_training
 
 # 200 steps: the accuracy has levelled off, so that one point is more than the noise
@@ -40,7 +43,8 @@ def _tiny(algorithm: str, *faults: str, **settings) -> dict:
 # --------------------------------------------------------------- methods that cannot go on
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "dgc", "powersgd", "diloco", "adpsgd"])
+@pytest.mark.parametrize("algorithm", ["allreduce", "dgc", "powersgd", "streaming-diloco",
+                                       "adpsgd", "wagma", "gossipgrad"])
 def test_methods_that_cannot_continue_say_so_naming_the_flag_and_method(algorithm):
     with pytest.raises(ValueError) as error:
         TrainConfig(algorithm=algorithm, on_failure="continue")
@@ -68,6 +72,11 @@ def test_real_processes_without_the_launchers_store_are_refused(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     with pytest.raises(ValueError, match="gossamer launch"):
         run_training(TrainConfig(algorithm="sgp", steps=2, on_failure="continue"))
+
+
+def test_a_group_size_that_does_not_divide_the_survivors_is_an_error_naming_it():
+    with pytest.raises(SimulationError, match="group_size=2 does not divide the 3 workers"):
+        _tiny("diloco", "1:3:crash", on_failure="continue", options={"group_size": 2})
 
 
 # ------------------------------------------------------------------------- the simulator
@@ -101,7 +110,7 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 # one method of each row of the table, and the methods that go on
 ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "sparta", "demo",
         "wagma", "gossipgrad"]
-CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr"]
+CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr", "diloco"]
 
 
 @pytest.mark.parametrize("kind", ["crash", "hang"])
@@ -150,6 +159,50 @@ def test_table_a_slow_link_delays_but_never_fails(algorithm):
     fast = _tiny(algorithm)
     slow = _tiny(algorithm, links=("1:2:1mbit",))  # 1000 times slower than the others
     assert slow["wall_clock"] >= fast["wall_clock"] and math.isfinite(slow["eval_loss"])
+
+
+@pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco"])
+def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
+    # rank 2 rejoins: it receives rank 0's model, optimizer state, algorithm state and step;
+    # rank 1 keeps its own
+    def worker(comm):
+        torch.manual_seed(comm.rank)
+        model = torch.nn.Linear(3, 2)
+        optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                               momentum=0.9),
+                                        algorithm, comm, broadcast=False)
+        if comm.rank != 2:  # a step of its own (the members' state differs from the joiner's)
+            model(torch.ones(1, 3)).sum().backward()
+            optimizer.optimizer.step()
+            optimizer.runtime.step = 1
+        step = share_state(comm, 0, model, optimizer, optimizer.runtime,
+                           7 if comm.rank == 0 else 0, joining=comm.rank == 2)
+        inner = optimizer.optimizer
+        return (step, optimizer.runtime.step, [p.clone() for p in model.parameters()],
+                [inner.state[p]["momentum_buffer"].clone() for p in model.parameters()
+                 if p in inner.state])
+
+    results = SimWorld(3).run(worker)
+    assert [r[0] for r in results] == [7, 7, 7] and [r[1] for r in results] == [1, 1, 1]
+    source, kept, joined = results
+    assert all(torch.equal(a, b) for a, b in zip(source[2] + source[3], joined[2] + joined[3],
+                                                 strict=True))
+    assert len(joined[3]) == 2 and not torch.equal(kept[2][0], source[2][0])
+
+
+def test_states_travel_as_json_and_tensors_with_their_key_types():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    tensors: list[torch.Tensor] = []
+    encoded = json.loads(json.dumps(encode({"o": optimizer.state_dict(), "x": (1, None)},
+                                           tensors)))
+    decoded = decode(encoded["state"], tensors)
+    assert decoded["x"] == (1, None) and sorted(decoded["o"]["state"]) == [0, 1]
+    assert encoded["tensors"][1] == [[2, 3], "float32"]
+    with pytest.raises(TypeError, match="cannot be sent a set"):
+        encode({1, 2}, [])
 
 
 # ------------------------------------------------------------------- 4 gloo processes

@@ -108,7 +108,7 @@ class DiLoCo(QSR):
     """
 
     name: ClassVar[str] = "diloco"
-    continues_after_failure: ClassVar[bool] = False  # its outer state: not rebuilt yet
+    continues_after_failure: ClassVar[bool] = True
     #: the number of outer steps is what a worker counts as synchronisations
     cap_to_end: ClassVar[bool] = True
 
@@ -253,14 +253,21 @@ class DiLoCoRuntime(LocalSGDRuntime):
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(config, comm, model, optimizer)
         self.config: DiLoCo = config
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
+        self.outer = OuterState(config, self.trained)
+        self._connect(comm)
+
+    def _connect(self, comm: Communicator) -> None:
+        """The group, the communicator across the groups and the compressor over it, for
+        the workers of ``comm``."""
+        config = self.config
         self.group, self.across = group_communicators(comm, config.group_size)
         # the group's gradient all-reduce: a group trains as one data-parallel replica
         self.inner: AllReduceRuntime | None = None
         if self.group is not None:
-            self.inner = AllReduce(bucket_mb=config.bucket_mb).bind(self.group, model, optimizer)
-        self.trained = [p for p in model.parameters() if p.requires_grad]
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.outer = OuterState(config, self.trained)
+            self.inner = AllReduce(bucket_mb=config.bucket_mb).bind(self.group, self.model,
+                                                                    self.optimizer)
         self.reducer: CompressedReducer | None = None
         if isinstance(config.compression, Compression):
             compressor, memory = config.compression.build(self.across.world_size)
@@ -271,6 +278,17 @@ class DiLoCoRuntime(LocalSGDRuntime):
         super().start(**kwargs)
         if self.inner is not None:
             self.inner.start(nonfinite=self.nonfinite)
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Any) -> None:
+        """The groups (``group_size`` must divide the new world size) and the compression
+        (its memory emptied) rebuilt for the new members, then an outer step over them: the
+        global parameters and the outer optimizer are the same on every member."""
+        algorithm.validate(comm.world_size)
+        self._connect(comm)
+        if self.inner is not None:
+            self.inner.start(nonfinite=self.nonfinite)
+        super().change_membership(comm, algorithm)
 
     def check_gradients(self) -> None:
         if self.inner is None:

@@ -82,6 +82,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     name: ClassVar[str] = "streaming-diloco"
+    continues_after_failure: ClassVar[bool] = False  # fragments in flight: not rebuilt yet
     #: its pseudo-gradients travel in ``precision``, not through a compressor
     takes_compression: ClassVar[bool] = False
 

@@ -43,8 +43,8 @@ import torch
 
 from gossamer.comm.base import CommError, CommTimeoutError, Communicator
 
-__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "last_members",
-           "membership_window"]
+__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "announce_restart",
+           "last_members", "membership_window"]
 
 POLL = 0.1  # seconds between two looks at who has joined (virtual in the simulator)
 REJOIN_EVERY = 10  # steps between two looks for restarted workers waiting to rejoin
@@ -76,7 +76,11 @@ class _TorchStore:
 
     def first(self, key: str, value: str) -> str:
         """Write ``value`` unless the key is set; what it holds now (the first writer's)."""
-        return self._store.compare_set(f"{_PREFIX}/{key}", "", value).decode()
+        return self.first_replace(key, "", value)
+
+    def first_replace(self, key: str, old: str, value: str) -> str:
+        """Write ``value`` if the key holds ``old`` ("": is not set); what it holds now."""
+        return self._store.compare_set(f"{_PREFIX}/{key}", old, value).decode()
 
     @staticmethod
     def now(comm: Any) -> float:
@@ -101,6 +105,11 @@ class _SimStore:
 
     def first(self, key: str, value: str) -> str:
         return self._data.setdefault(key, value)
+
+    def first_replace(self, key: str, old: str, value: str) -> str:
+        if self._data.get(key, "") == old:
+            self._data[key] = value
+        return self._data[key]
 
     @staticmethod
     def now(comm: Any) -> float:
@@ -168,16 +177,34 @@ class Membership:
 
     # -- rejoining ---------------------------------------------------------------------------
 
-    def waiting(self) -> list[int]:
-        """Collective over :attr:`comm`: the ids of restarted workers waiting to rejoin, as
-        any member saw them in the store (so that every member gets the same list)."""
-        flags = torch.zeros(self.size, dtype=torch.int32, device=getattr(self.comm, "device",
-                                                                         None))
-        for m in range(self.size):
-            if m not in self.members and self._kv.get(f"rejoin/{m}") == "waiting":
-                flags[m] = 1
+    def waiting(self, step: int) -> list[int]:
+        """Collective over :attr:`comm`, at ``step``: the ids of restarted workers waiting to
+        rejoin, as any member saw them in the store, so that every member gets the same list.
+        A worker the launcher restarted that has not asked yet is waited for, at most
+        :attr:`window` seconds; one that does not come in time is let in at a later look."""
+        kv, size = self._kv, self.size
+        flags = torch.zeros(2 * size, dtype=torch.int32, device=getattr(self.comm, "device",
+                                                                        None))
+        for m in range(size):
+            state = kv.get(f"rejoin/{m}") if m not in self.members else None
+            if state in ("waiting", "restarting"):
+                flags[m if state == "waiting" else size + m] = 1
         self.comm.all_reduce(flags)
-        return [m for m in range(self.size) if int(flags[m])]
+        ready = [m for m in range(size) if int(flags[m])]
+        coming = [m for m in range(size) if int(flags[size + m]) and m not in ready]
+        if not coming:
+            return ready
+        deadline = kv.now(self.comm) + self.window
+        arrived = [m for m in coming if kv.get(f"rejoin/{m}") == "waiting"]
+        while len(arrived) < len(coming) and kv.now(self.comm) < deadline:
+            kv.pause(self.comm, POLL)
+            arrived = [m for m in coming if kv.get(f"rejoin/{m}") == "waiting"]
+        decided = kv.first(f"admit/{self.epoch}/{step}", ",".join(map(str, ready + arrived)))
+        ids = sorted(int(m) for m in decided.split(",") if m)
+        for m in coming:
+            if m not in ids:  # too late: not waited for again, let in when it asks
+                kv.first_replace(f"rejoin/{m}", "restarting", "late")
+        return ids
 
     def admit(self, ids: list[int], step: int) -> None:
         """Make :attr:`comm` a communicator over the members and the workers ``ids`` (from
@@ -214,7 +241,9 @@ class Membership:
         kv = _TorchStore(store)
         kv.set(f"rejoin/{me}", "waiting")
         deadline = time.monotonic() + wait
-        while (state := kv.get(f"rejoin/{me}")) == "waiting":
+        while not (state := kv.get(f"rejoin/{me}") or "").startswith("epoch:"):
+            if state != "waiting":  # the members gave up waiting just before it asked
+                kv.set(f"rejoin/{me}", "waiting")
             if kv.get("finished") is not None:
                 return None
             if time.monotonic() > deadline:
@@ -241,6 +270,12 @@ class Membership:
             return True
         return bool(self.comm.peer_alive(self.members.index(member)))
 
+
+
+def announce_restart(store: Any, member: int) -> None:
+    """The launcher restarted worker ``member``: the members wait for it at their next look
+    (:meth:`Membership.waiting`)."""
+    _TorchStore(store).set(f"rejoin/{member}", "restarting")
 
 
 def last_members(store: Any) -> tuple[int, ...] | None:

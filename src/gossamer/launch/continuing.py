@@ -6,9 +6,10 @@ the store outlives any worker: the survivors agree on their new membership there
 (:mod:`gossamer.comm.membership`). A worker that fails does not stop the others; with
 ``--max-restarts N`` it is started again (at most N restarts in all, while others still
 train), with ``GOSSAMER_REJOIN=1``: it asks the members to let it in, and they do at their
-next look (every few steps), giving it their state. Once one worker has finished, the others
-get the time the survivors may take to agree and finish (``linger``), then a worker still
-running is stopped; one the others went on without (hung) is stopped at once.
+next look (every few steps: they wait for it there), giving it their state. Once one worker
+has finished, the others get the time the survivors may take to agree and finish
+(``linger``), then a worker still running is stopped; one the others went on without (hung)
+is stopped at once.
 
 The launcher exits 0 when at least one worker finished the run, and names each worker the
 others went on without; when none finished, it exits with the first failed worker's code.
@@ -24,7 +25,12 @@ from datetime import timedelta
 
 from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import torchrun_variables
-from gossamer.comm.membership import REJOIN_VARIABLE, last_members, membership_window
+from gossamer.comm.membership import (
+    REJOIN_VARIABLE,
+    announce_restart,
+    last_members,
+    membership_window,
+)
 from gossamer.launch.netem import SignalGuard
 from gossamer.launch.supervisor import TIMED_OUT, Output, Supervisor, describe_exit, shell_code
 
@@ -94,6 +100,7 @@ def run_continuing(train_args: list[str], nproc: int, env: dict[str, str],
                 restarts += 1
                 _say(output, f"rank {rank} {describe_exit(code)}; restarting it (restart "
                      f"{restarts} of {max_restarts}): it rejoins the others")
+                announce_restart(store, rank)  # the others wait for it at their next look
                 start(rank)
                 running.add(rank)
     finally:
