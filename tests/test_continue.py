@@ -59,6 +59,17 @@ def test_the_command_line_refuses_continue_for_allreduce_with_one_line(capsys):
     assert "Traceback" not in err and "allreduce cannot go on" in err
 
 
+def test_the_summary_shows_the_membership_once_it_changed(capsys):
+    argv = ["train", "--sim", "4", "--algorithm", "localsgd", "--steps", "8", "--quiet",
+            "--on-failure", "continue", "--timeout", "3"]
+    assert main(argv) == 0
+    assert "membership" not in capsys.readouterr().out
+    assert main([*argv, "--fault", "2:3:crash"]) == 0
+    out = capsys.readouterr().out
+    assert "membership              0,1,2,3; 0,1,3 from step 4" in out
+    assert "workers                 3 (simulated)" in out
+
+
 def test_on_failure_takes_stop_or_continue_and_stop_is_the_default():
     assert TrainConfig().on_failure == "stop"
     with pytest.raises(ValueError, match="on_failure"):

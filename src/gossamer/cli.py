@@ -65,9 +65,18 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
         ("synchronizations", str(result.get("synchronizations", "-"))),
         *([("non-finite updates skipped", str(result["skipped_steps"]))]
           if result.get("skipped_steps") else []),
+        *([("membership", _membership(result["membership"]))]
+          if len(result.get("membership", ())) > 1 else []),
         (f"wall-clock ({clock})", f"{result.get('wall_clock', float('nan')):.3f} s"),
         ("examples per second", f"{result.get('examples_per_second', float('nan')):.0f}"),
     ]
+
+
+def _membership(history: list[dict]) -> str:
+    """``0,1,2,3; 0,1,3 from step 101``: the members (by their first rank) of each epoch."""
+    epochs = [",".join(map(str, e["members"])) + (f" from step {e['step']}" if e["step"] else "")
+              for e in history]
+    return "; ".join(epochs)
 
 
 def _train(args: argparse.Namespace) -> int:

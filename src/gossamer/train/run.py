@@ -64,7 +64,7 @@ def _check_run_dir(run_dir: Path) -> None:
 # steps, which may be raised to train longer (a cosine schedule then stretches).
 _FREE_ON_RESUME = {"resume", "quiet", "tensorboard", "eval_every", "eval_workers", "log_every",
                    "checkpoint_every", "keep_checkpoints", "timeout", "run_dir", "world_size",
-                   "steps", "faults", "bind_all", "loggers"}
+                   "steps", "faults", "bind_all", "loggers", "on_failure"}
 
 
 def check_resume(config: TrainConfig) -> None:
