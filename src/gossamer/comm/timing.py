@@ -36,6 +36,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,6 +86,52 @@ def tree_map(fn, tree):
     return fn(tree)
 
 
+def _kind(func) -> tuple[str, int | None]:
+    """How an operation's result follows from its arguments' metadata: ``("fresh", None)``,
+    new tensors of a shape the arguments decide; ``("inplace", i)``, argument ``i`` itself
+    (``None``: nothing returned); ``("other", None)``: views and the rest, run every time."""
+    schema = func._schema
+    returns = schema.returns
+    if not returns:
+        return ("inplace", None) if schema.is_mutable else ("other", None)
+    if all(r.alias_info is None for r in returns):
+        if all(str(r.type) in ("Tensor", "List[Tensor]") for r in returns):
+            return ("fresh", None)
+        return ("other", None)
+    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+        written = returns[0].alias_info.before_set
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.before_set == written:
+                return ("inplace", i)
+    return ("other", None)
+
+
+def _signature(value):
+    """What decides a meta operation's result: shapes, strides, dtypes and the other values."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, tuple(value.shape), value.stride(), value.is_meta)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    return value if isinstance(value, (int, float, bool, str, type(None), torch.dtype,
+                                       torch.device, torch.layout, torch.memory_format)) \
+        else id(value)
+
+
+def _spec(out):
+    if isinstance(out, torch.Tensor):
+        return (out.shape, out.stride(), out.dtype)
+    return [_spec(o) for o in out]
+
+
+def _make(spec):
+    if isinstance(spec, tuple):
+        shape, stride, dtype = spec
+        return torch.empty_strided(shape, stride, dtype=dtype, device=META)
+    return [_make(s) for s in spec]
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -104,6 +152,35 @@ class SizeOnlyMode(TorchDispatchMode):
         #: storage -> {byte offset: byte value}: what is known of each meta storage
         self.known: dict[int, dict[int, int]] = {}
         self._functions = _Literals(self)
+        #: what meta operations gave, by their arguments' metadata: torch's meta kernels are
+        #: mostly Python (tens of microseconds each), and a worker repeats the same ones
+        #: every step on tensors of the same shapes
+        self._memo: dict[tuple, Any] = {}
+        self._kinds: dict[Any, tuple[str, int | None]] = {}
+
+    def call(self, func, args, kwargs):
+        """``func(*args, **kwargs)`` on meta tensors, its result made from the memo when the
+        same operation was seen on arguments of the same metadata."""
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _kind(func)
+        if kind[0] == "other":
+            return func(*args, **kwargs)
+        key = (func, _signature(args), _signature(kwargs))
+        hit = self._memo.get(key)
+        if hit is not None:
+            if kind[0] == "fresh":
+                return _make(hit[0]) if not hit[1] else tuple(_make(hit[0]))
+            return None if kind[1] is None else _argument(func, kind[1], args, kwargs)
+        out = func(*args, **kwargs)
+        if kind[0] == "fresh":
+            if not (isinstance(out, torch.Tensor) or isinstance(out, (list, tuple)) and all(
+                    isinstance(o, torch.Tensor) for o in out)):
+                return out
+            self._memo[key] = (_spec(out), isinstance(out, tuple))
+        elif kind[1] is None or out is _argument(func, kind[1], args, kwargs):
+            self._memo[key] = (None, False)
+        return out
 
     def __enter__(self):
         self._functions.__enter__()
@@ -222,9 +299,9 @@ class SizeOnlyMode(TorchDispatchMode):
         if mixed:
             args, kwargs = self._to_meta(args, kwargs)
         if not self.known:  # nothing to follow: the usual case for a model's tensors
-            return func(*args, **kwargs)
+            return self.call(func, args, kwargs)
         inputs = {_key(a) for a in _tensors(args, kwargs)}
-        out = func(*args, **kwargs)
+        out = self.call(func, args, kwargs)
         outs = _outputs(out)
         for o in outs:
             if _key(o) not in inputs:
@@ -356,7 +433,7 @@ def _to_copy(mode: SizeOnlyMode, func, args, kwargs):
 
 
 def _clone(mode: SizeOnlyMode, func, args, kwargs):
-    out = func(*args, **kwargs)
+    out = mode.call(func, args, kwargs)
     mode.known.pop(_key(out), None)
     if mode.known and out.is_contiguous():
         mode._write(out, mode._known_in(args[0]))
@@ -366,7 +443,7 @@ def _clone(mode: SizeOnlyMode, func, args, kwargs):
 def _copy(mode: SizeOnlyMode, func, args, kwargs):
     dst, src = args[0], args[1]
     (dst, src), kwargs = mode._to_meta((dst, src), kwargs)
-    out = func(dst, src, *args[2:], **kwargs)
+    out = mode.call(func, (dst, src, *args[2:]), kwargs)
     if not mode.known:
         return out
     if src.dtype == dst.dtype and src.shape == dst.shape:
@@ -394,6 +471,13 @@ def _cat(mode: SizeOnlyMode, func, args, kwargs):
         offset += t.numel() * t.element_size()
     mode._write(out, data)
     return out
+
+
+def _argument(func, index: int, args, kwargs):
+    """Argument ``index`` of ``func``'s schema, given positionally or by name."""
+    if index < len(args):
+        return args[index]
+    return kwargs[func._schema.arguments[index].name]
 
 
 def _fill(mode: SizeOnlyMode, func, args, kwargs):
