@@ -6,6 +6,13 @@ block times (target <= 1.05 over loopback; no longer than DDP on the emulated ne
 
     gossamer bench allreduce_vs_ddp --workers 2 4
     gossamer bench allreduce_vs_ddp --workers 4 --model resnet20 --emulate 1gbit
+    gossamer bench allreduce_vs_ddp --workers 4 --model resnet20 --emulate 1gbit --powersgd 2
+
+``--powersgd RANK`` adds compressed variants to the same rounds: DDP with torch's own
+PowerSGD hook (``powerSGD_hook``: rank RANK, error feedback, warm start, compressing from the
+second step) in one bucket (on gloo it mismatches its collectives with several), DDP with
+gossamer's ``compression_hook`` and ``PowerSGDState(rank=RANK)`` in one bucket and in DDP's
+buckets, and gossamer's ``PowerSGDAllReduce(rank=RANK)``; their ratios are to torch's hook.
 
 Over loopback the model is an MLP of about 1M parameters; ``--model resnet20`` (CIFAR-sized
 inputs, batch 32) has a backward long enough to hide communication. ``--emulate RATE`` runs the
@@ -34,49 +41,93 @@ def _model(name: str) -> tuple[torch.nn.Module, tuple[int, ...]]:
     return build_model(name, (3, 32, 32), 10), (3, 32, 32)
 
 
+COMPRESSED = ("torch_powersgd_hook", "gossamer_powersgd_hook_one_bucket",
+              "gossamer_powersgd_hook", "gossamer_powersgd")
+
+
 def compare(comm, rounds: int, steps_per_block: int, batch: int,
-            model: str = "mlp") -> dict[str, list[float]]:
-    """Blocks of ``steps_per_block`` gossamer AllReduce steps and DDP steps, alternated for
-    ``rounds`` rounds on this rank (its default process group is DDP's); the seconds per step
-    of each block."""
+            model: str = "mlp", powersgd: int = 0) -> dict[str, list[float]]:
+    """Blocks of ``steps_per_block`` steps of each variant (gossamer's AllReduce, DDP, ...),
+    alternated for ``rounds`` rounds on this rank (its default process group is DDP's); the
+    seconds per step of each block."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import gossamer
 
-    ours, shape = _model(model)
-    after, _ = _model(model)
-    theirs = DistributedDataParallel(_model(model)[0])
+    _, shape = _model(model)
     g = torch.Generator().manual_seed(comm.rank)
     x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    ours_opt = gossamer.distribute(ours, torch.optim.SGD(ours.parameters(), lr=0.01),
-                                   gossamer.AllReduce(), comm)
-    # the same, averaging after backward (no overlap): what the overlap buys
-    after_opt = gossamer.distribute(after, torch.optim.SGD(after.parameters(), lr=0.01),
-                                    gossamer.AllReduce(overlap=False), comm)
-    theirs_opt = torch.optim.SGD(theirs.parameters(), lr=0.01)
-    steps = {"gossamer": sgd_step(ours, ours_opt, (x, y)),
-             "ddp": sgd_step(theirs, theirs_opt, (x, y)),
-             "after_backward": sgd_step(after, after_opt, (x, y))}
+
+    def step(net: torch.nn.Module, algorithm=None, hook=None, one_bucket: bool = False):
+        """A step of ``net`` (a fresh copy of the model): through gossamer's ``algorithm``,
+        or in DDP, with ``hook(ddp)`` registering a comm hook, and with ``one_bucket`` all
+        gradients in a single bucket."""
+        if algorithm is not None:
+            optimizer = gossamer.distribute(net, torch.optim.SGD(net.parameters(), lr=0.01),
+                                            algorithm, comm)
+            return sgd_step(net, optimizer, (x, y))
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES
+        if one_bucket:  # DDP caps its first bucket at this (read when it is constructed)
+            dist._DEFAULT_FIRST_BUCKET_BYTES = 2**40
+        try:
+            ddp = DistributedDataParallel(net, bucket_cap_mb=2**20 if one_bucket else 25)
+        finally:
+            dist._DEFAULT_FIRST_BUCKET_BYTES = first
+        if hook is not None:
+            hook(ddp)
+        return sgd_step(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), (x, y))
+
+    def torch_powersgd(ddp) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd, start_powerSGD_iter=2,
+            use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def gossamer_powersgd(ddp) -> None:
+        from gossamer.hooks import PowerSGDState, compression_hook
+
+        ddp.register_comm_hook(PowerSGDState(ddp, rank=powersgd), compression_hook)
+
+    steps = {"gossamer": step(_model(model)[0], gossamer.AllReduce()),
+             "ddp": step(_model(model)[0]),
+             # the same, averaging after backward (no overlap): what the overlap buys
+             "after_backward": step(_model(model)[0], gossamer.AllReduce(overlap=False))}
+    if powersgd:
+        steps.update({
+            # torch's hook launches each bucket's second all-reduce from the first one's
+            # callback thread: with several buckets on gloo their order differs between ranks
+            # (a collective mismatch), so it runs with one bucket, and gossamer's hook both so
+            # and with DDP's buckets
+            "torch_powersgd_hook": step(_model(model)[0], hook=torch_powersgd,
+                                        one_bucket=True),
+            "gossamer_powersgd_hook_one_bucket": step(_model(model)[0], hook=gossamer_powersgd,
+                                                      one_bucket=True),
+            "gossamer_powersgd_hook": step(_model(model)[0], hook=gossamer_powersgd),
+            "gossamer_powersgd": step(_model(model)[0],
+                                      gossamer.algorithms.PowerSGDAllReduce(rank=powersgd))})
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for step in steps.values():  # warm-up
+    for run in steps.values():  # warm-up (torch's hook compresses from its second step)
         for _ in range(3):
-            step()
+            run()
     order = list(steps)
     for r in range(rounds):
-        for name in order[r % 3:] + order[:r % 3]:  # each first as often as the others
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:  # each first as often as the others
             times[name].append(timed_steps(steps[name], steps_per_block,
                                            before_timing=dist.barrier).per_step)
     return times
 
 
 def worker(rounds: int, steps_per_block: int, batch: int,
-           model: str = "mlp") -> dict[str, list[float]]:
+           model: str = "mlp", powersgd: int = 0) -> dict[str, list[float]]:
     from gossamer.comm import TorchCommunicator
 
     comm = TorchCommunicator.from_env(timeout=120)
     try:
-        return compare(comm, rounds, steps_per_block, batch, model)
+        return compare(comm, rounds, steps_per_block, batch, model, powersgd)
     finally:
         comm.close()
 
@@ -91,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate", metavar="RATE", default=None,
                         help="run on an emulated network whose links have this bandwidth "
                              "(e.g. 1gbit; needs root, ip and tc)")
+    parser.add_argument("--powersgd", metavar="RANK", type=int, default=0,
+                        help="also time PowerSGD of this rank: torch's DDP hook, gossamer's "
+                             "DDP hook and gossamer's PowerSGDAllReduce (default 0: not)")
 
 
 def run(args: argparse.Namespace, results: Results) -> int:
@@ -101,7 +155,7 @@ def run(args: argparse.Namespace, results: Results) -> int:
     rows = []
     for n in args.workers:
         task_args = {"rounds": args.rounds, "steps_per_block": args.steps, "batch": batch,
-                     "model": args.model}
+                     "model": args.model, "powersgd": args.powersgd}
         if args.emulate:
             from benchmarks.emulation import run_task
             from gossamer.launch.netem import LinkSpec
@@ -114,19 +168,33 @@ def run(args: argparse.Namespace, results: Results) -> int:
         # a step is as slow as its slowest rank: the max over ranks per block
         median = {name: 1e3 * statistics.median(
             max(r[name][i] for r in per_rank) for i in range(args.rounds))
-            for name in ("gossamer", "ddp", "after_backward")}
+            for name in per_rank[0]}
         row = {"workers": n, "gossamer_step_ms": median["gossamer"],
                "ddp_step_ms": median["ddp"], "after_backward_step_ms": median["after_backward"],
                "ratio": median["gossamer"] / median["ddp"],
                "after_backward_ratio": median["after_backward"] / median["ddp"]}
-        rows.append(row)
         print(f"{n} workers: gossamer {row['gossamer_step_ms']:.2f} ms/step, "
               f"DDP {row['ddp_step_ms']:.2f} ms/step, ratio {row['ratio']:.3f}; gossamer "
               f"without overlap {row['after_backward_step_ms']:.2f} ms/step "
               f"({row['after_backward_ratio']:.3f})")
+        if args.powersgd:
+            torch_hook = median["torch_powersgd_hook"]
+            for name in COMPRESSED:
+                row[f"{name}_step_ms"] = median[name]
+                row[f"{name}_ratio"] = median[name] / torch_hook
+            print(f"  PowerSGD rank {args.powersgd}: torch's hook (one bucket) "
+                  f"{torch_hook:.2f} ms/step; gossamer's hook, one bucket "
+                  f"{median['gossamer_powersgd_hook_one_bucket']:.2f} "
+                  f"({row['gossamer_powersgd_hook_one_bucket_ratio']:.3f}), DDP's buckets "
+                  f"{median['gossamer_powersgd_hook']:.2f} "
+                  f"({row['gossamer_powersgd_hook_ratio']:.3f}); gossamer's PowerSGDAllReduce "
+                  f"{median['gossamer_powersgd']:.2f} ({row['gossamer_powersgd_ratio']:.3f})")
+        rows.append(row)
     name = "allreduce_vs_ddp" + (f"_{args.model}" if args.model != "mlp" else "") + (
-        f"_{args.emulate}" if args.emulate else "")
+        f"_{args.emulate}" if args.emulate else "") + (
+        f"_powersgd{args.powersgd}" if args.powersgd else "")
     results.write(name, {"parameters": params, "batch": batch, "model": args.model,
                          "emulate": args.emulate, "rounds": args.rounds, "steps": args.steps,
+                         "powersgd": args.powersgd,
                          "rows": rows})
     return 0

@@ -176,18 +176,25 @@ def _models():
 
 def bytes_worker(comm, model_name: str) -> dict[str, int]:
     """One step's gradient of ``model_name``, reduced with DGC and with a dense all-reduce, the
-    compressed and the dense tensors apart; bytes sent by this worker for each."""
+    compressed and the dense tensors apart, in AllReduce's buckets (reverse registration
+    order, the first at most 1 MiB, then 25 MiB: one reduction each); bytes sent by this
+    worker for each."""
+    from gossamer.algorithms.buckets import layout
+    from gossamer.algorithms.overlap import FIRST_BUCKET_BYTES
     from gossamer.compress import CompressedReducer, DGCCompressor, DGCMemory, NoCompression
 
     model, shape = _models()[model_name]
     g = torch.Generator().manual_seed(comm.rank)
     x, y = torch.randn(8, *shape, generator=g), torch.randint(0, 10, (8,), generator=g)
     F.cross_entropy(model(x), y).backward()
-    named = sorted((n, p.grad) for n, p in model.named_parameters())
+    named = list(reversed([(n, p.grad) for n, p in model.named_parameters()]))
+    slots, sizes, _ = layout([t for _, t in named], 25 * 2**20, FIRST_BUCKET_BYTES)
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[] for _ in sizes]
+    for item, (bucket, _, _) in zip(named, slots, strict=True):
+        buckets[bucket].append(item)
     compressor = DGCCompressor(ratio=DENSITY)
-    out = {}
-    for label, subset in (("compressed", [(n, t) for n, t in named if compressor.compresses(t)]),
-                          ("dense", [(n, t) for n, t in named if not compressor.compresses(t)])):
+    out = {"buckets": len(buckets)}
+    for label, compressed in (("compressed", True), ("dense", False)):
         for method, reducer in (
             ("dgc", CompressedReducer(comm, compressor, DGCMemory(momentum=0.9),
                                       bucket_bytes=25 * 2**20)),
@@ -197,7 +204,11 @@ def bytes_worker(comm, model_name: str) -> dict[str, int]:
             ("allreduce", CompressedReducer(comm, NoCompression(), bucket_bytes=25 * 2**20)),
         ):
             before = comm.stats.total_bytes_sent
-            reducer.reduce([(n, t.clone()) for n, t in subset], step=0)
+            for bucket in buckets:
+                subset = [(n, t.clone()) for n, t in bucket
+                          if compressor.compresses(t) == compressed]
+                if subset:
+                    reducer.reduce(subset, step=0)
             out[f"{method}_{label}_wire"] = comm.stats.total_bytes_sent - before
             out[f"{method}_{label}_payload"] = reducer.payload_bytes + reducer.dense_bytes
     out["compressed_numel"] = sum(t.numel() for _, t in named if compressor.compresses(t))
@@ -263,7 +274,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
     base = mnist_cnn(args.data, steps=args.steps)
     torch.set_num_threads(args.threads)
     # the final accuracy is what is compared: evaluate the average only, every 100 steps
-    config = base.replace(sim=args.workers, eval_every=100, eval_workers=False)
+    config = base.replace(sim=args.workers, eval_every=100, eval_workers=False, seed=args.seed)
     dgc = f"dgc:ratio={DENSITY}"
     entries = {"allreduce": "allreduce", "dgc": dgc, "topk": "topk", "qsgd": "qsgd",
                "powersgd": "powersgd"}
@@ -277,7 +288,8 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         name = f"dgc-sparse-warmup{steps}"
         entries[name] = f"{spec}:aggregation=sparse_allreduce"
         specs[name] = ("allreduce", {"compression": spec, "aggregation": "sparse_allreduce"})
-    out = results.folder / f"compress-mnist-{args.workers}"
+    out = results.folder / (f"compress-mnist-{args.workers}"
+                            + (f"-seed{args.seed}" if args.seed else ""))
     runs = {}
     for name, label in entries.items():
         run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
@@ -297,6 +309,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         final = run.final
         per_step = final["bytes_sent"] / config.steps
         rows.append({"method": name, "entry": entries[name], "workers": args.workers,
+                     "seed": args.seed,
                      "steps": config.steps, "eval_accuracy": final["eval_accuracy"],
                      "delta_vs_allreduce_points": 100 * (final["eval_accuracy"]
                                                          - reference["eval_accuracy"]),
@@ -306,7 +319,8 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         print(f"{name:15s} acc {100 * final['eval_accuracy']:.2f}% "
               f"({rows[-1]['delta_vs_allreduce_points']:+.2f}) bytes/step "
               f"{per_step / 1e3:.1f} kB = {rows[-1]['bytes_vs_allreduce']:.4f} x AllReduce")
-    results.write("compress_accuracy", {"recipe": "recipes/mnist-cnn.yaml", "rows": rows})
+    results.write("compress_accuracy" + (f"_seed{args.seed}" if args.seed else ""),
+                  {"recipe": "recipes/mnist-cnn.yaml", "seed": args.seed, "rows": rows})
 
 
 def digits(args: argparse.Namespace, results: Results) -> None:
@@ -355,6 +369,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also DGC through the sparse all-reduce with these warm-up steps "
                    "(0: none)")
     a.add_argument("--reuse", action="store_true", help="keep runs already in the results")
+    a.add_argument("--seed", type=int, default=0, help="the runs' seed (default 0)")
     a.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_steps_argument(a)
     d = sub.add_parser("digits")
