@@ -22,7 +22,15 @@ members start from their exact average (:meth:`~gossamer.algorithms.Runtime.chan
 :attr:`Membership.history` records each change as ``{"step": S, "members": [ids]}``; the same
 fault injected in the simulator and on gloo gives the same history.
 
-Every wait is bounded: the agreement by ``window`` (virtual seconds in the simulator).
+A worker restarted by ``gossamer launch --max-restarts N`` rejoins (:meth:`Membership.rejoin`):
+it writes ``rejoin/{id}`` = ``waiting``; every :data:`REJOIN_EVERY` steps the members agree
+with one small all-reduce on who waits (:meth:`Membership.waiting`; a worker the launcher has
+announced as restarting is waited for there), and make the next epoch with them
+(:meth:`Membership.admit`); the training loop then has a live member send its state
+(:func:`gossamer.train.elastic.share_state`).
+
+Every wait is bounded: the agreement and the wait for a restarting worker by ``window``
+(virtual seconds in the simulator), a rejoining worker's wait by the caller's ``wait``.
 
 Example::
 

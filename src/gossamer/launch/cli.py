@@ -4,6 +4,7 @@ Examples::
 
     gossamer launch --nproc 4 -- --steps 100 --run-dir runs/ar
     gossamer launch --nproc 4 --max-restarts 2 -- --run-dir runs/ar --checkpoint-every 50
+    gossamer launch --nproc 4 --max-restarts 1 -- --algorithm sgp --on-failure continue
     gossamer launch --nproc 4 --emulate bandwidth=1gbit,delay=1ms \\
         --emulate-rank 3:bandwidth=250mbit -- --algorithm sgp --run-dir runs/sgp-slow
     gossamer launch --cleanup
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="when a worker fails, restart every worker up to N times, as "
                         "torchrun --max-restarts N does; a run with --run-dir resumes from its "
-                        "latest checkpoint (default: 0)")
+                        "latest checkpoint; with the train argument --on-failure continue, "
+                        "restart only the failed worker, which rejoins the others (default: 0)")
     parser.add_argument("--cleanup", action="store_true",
                         help="remove the namespaces left by launchers that were killed, and "
                         "the processes still in them; then exit")
