@@ -17,17 +17,27 @@ to reach a target loss (AllReduce's final loss + ``--margin``) on the simulator'
 model (1 Gbit/s links, 50 us latency, the step's compute measured). The goal of the issue:
 DiLoCo at H = 16 within 0.03 nats of AllReduce with at most 1/16 of its bytes, and better
 than Local AdamW at H = 16 on every seed.
+
+    gossamer bench outer --data ../shared/data --emulate 1gbit \
+        --methods allreduce localsgd:period=16 diloco:period=16
+
+runs each method instead as 8 processes of ``gossamer train`` on an emulated network
+(``gossamer launch --nproc 8 --emulate bandwidth=RATE``: root, ``ip`` and ``tc`` needed), one
+after the other, and reports the wall-clock (the slowest rank's, evaluations included) to the
+target loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import time
 from typing import Any
 
 import torch
 
-from benchmarks.common import add_data_argument, recipe_config
+from benchmarks.common import RUN_DIR_UNSAFE, add_data_argument, recipe_config, split_entry
 from benchmarks.local_sgd import find_runs, finished
 from gossamer.bench import Results, markdown_table
 
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace, results: Results) -> int:
                          steps=args.steps or None, eval_every=args.eval_every,
                          eval_workers=False, quiet=False)
     names = entries(base.warmup_steps, args.methods)
+    if args.emulate:
+        return emulated(args, base, names, results)
     rows = []
     for seed in args.seeds:
         out = results.folder / f"outer-text-seed{seed}"
@@ -96,6 +108,67 @@ def run(args: argparse.Namespace, results: Results) -> int:
     return 0
 
 
+def emulated(args: argparse.Namespace, base, names: list[str], results: Results) -> int:
+    """Each method as ``base.sim`` processes on an emulated network of ``args.emulate``
+    links: validation loss, bytes and the wall-clock to the target (AllReduce's final loss +
+    margin, AllReduce first among ``names``)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from gossamer.train.report import load_metrics
+
+    rows = []
+    for seed in args.seeds:
+        out = results.folder / f"outer-text-{args.emulate}-seed{seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        target = None
+        for name in names:
+            algorithm, options = split_entry(name)
+            run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", name)
+            config = base.replace(seed=seed, sim=0, algorithm=algorithm, options=options,
+                                  run_dir=str(run_dir), quiet=True)
+            recipe = out / f"{run_dir.name}.yaml"
+            recipe.write_text(yaml.safe_dump(config.as_dict()))
+            if not (args.reuse and finished_run(run_dir)):
+                started = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "gossamer", "launch", "--nproc",
+                                str(base.sim), "--emulate", f"bandwidth={args.emulate}", "--",
+                                "--config", str(recipe)], check=True)
+                print(f"{name}: {time.perf_counter() - started:.0f} s")
+            metrics = load_metrics(run_dir)
+            final = metrics.final
+            if target is None:
+                target = final["eval_loss"] + args.margin
+                reference = final
+            reached = time_to(metrics.evals, target)
+            rows.append({
+                "method": name.replace(f":warmup_steps={base.warmup_steps}", ""), "seed": seed,
+                "eval_loss": final["eval_loss"],
+                "delta_vs_allreduce": final["eval_loss"] - reference["eval_loss"],
+                "bytes_vs_allreduce": final["bytes_sent"] / reference["bytes_sent"],
+                "wall_clock": final["wall_clock"], "target": target,
+                "time_to_target": reached,
+                "history": [(e["step"], e["eval_loss"], e["wall_clock"])
+                            for e in metrics.evals]})
+            print(f"seed {seed} {rows[-1]['method']:24s} loss {final['eval_loss']:.4f} "
+                  f"({rows[-1]['delta_vs_allreduce']:+.4f}), {final['wall_clock']:.1f} s, to "
+                  f"{target:.3f}: " + (f"{reached:.1f} s" if reached is not None
+                                       else "not reached"))
+    results.write(f"outer_text_{args.emulate}", {"config": base.as_dict(), "rows": rows,
+                                                "emulate": args.emulate, "margin": args.margin})
+    return 0
+
+
+def finished_run(run_dir) -> bool:
+    """Whether ``run_dir`` holds a finished run (its summary)."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and any(
+        json.loads(line).get("kind") == "summary" for line in metrics.read_text().splitlines()
+        if line.strip())
+
+
 def print_table(rows: list[dict]) -> None:
     """The table of BENCHMARKS.md: one row per method, seeds side by side."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -129,5 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the target loss is AllReduce's final loss plus this")
     parser.add_argument("--reuse", action="store_true",
                         help="skip a seed whose finished runs of the same settings are on disk")
+    parser.add_argument("--emulate", metavar="RATE", default=None,
+                        help="run each method as processes on an emulated network with links "
+                             "of RATE (e.g. 1gbit; needs root, ip and tc)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); 1 on a shared machine")
