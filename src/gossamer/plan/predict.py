@@ -27,11 +27,13 @@ __all__ = ["Prediction", "cycle", "predict", "step_worker"]
 
 
 def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, warmup: int,
-                steps: int, size_only: bool) -> dict[str, float]:
-    """One worker: ``warmup`` then ``steps`` training steps of ``algorithm`` on the model
-    ``build()`` makes (on the meta device with ``size_only``), SGD with momentum; what the
-    measured steps cost on this worker's virtual clock. Real gradients are fixed random
-    tensors seeded by the rank; size-only ones have shapes only."""
+                steps: int, size_only: bool, lr: float = 0.05) -> dict[str, float]:
+    """One worker: a barrier, then ``warmup`` and ``steps`` training steps of ``algorithm`` on
+    the model ``build()`` makes (on the meta device with ``size_only``), SGD with momentum at
+    ``lr`` (QSR's period follows it); what the measured steps cost on this worker's virtual
+    clock. Real gradients are fixed random tensors seeded by the rank; size-only ones have
+    shapes only. The run's length is not given to the method: a last local SGD round would
+    average at the end of the measured steps."""
     import gossamer
 
     if size_only:
@@ -41,9 +43,8 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
         torch.manual_seed(0)  # the same initial replica everywhere, without a broadcast
         model = build()
     params = [p for p in model.parameters() if p.requires_grad]
-    inner = torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    optimizer = gossamer.distribute(model, inner, algorithm, comm, broadcast=False,
-                                    total_steps=warmup + steps)
+    inner = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    optimizer = gossamer.distribute(model, inner, algorithm, comm, broadcast=False)
     generator = torch.Generator().manual_seed(1000 + comm.rank)
     fixed = None if size_only else [torch.randn(p.shape, generator=generator) * 1e-3
                                     for p in params]
@@ -56,6 +57,7 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
                 p.grad = torch.empty(p.shape, device=META)
         optimizer.step()
 
+    comm.barrier()  # every worker starts together, whatever its set-up took
     for _ in range(warmup):
         step()
     start = (comm.clock(), comm.idle_time, comm.stats.total_bytes_sent,
@@ -98,11 +100,11 @@ class Prediction:
 def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Module], *,
             network: NetworkModel, compute: ComputeModel, warmup: int = 2, steps: int = 3,
             label: str | None = None, options: Mapping[str, Any] | None = None,
-            seed: int = 0) -> Prediction:
+            seed: int = 0, lr: float = 0.05) -> Prediction:
     """Simulate ``steps`` steps (after ``warmup``) of ``algorithm`` on ``workers`` workers of
     the model ``build()`` makes, timing-only; the time per step, bytes per step and idle
     fraction. ``steps`` is rounded up to whole cycles of the method (:func:`cycle`: local
-    SGD's period, WAGMA's global rounds).
+    SGD's period, WAGMA's global rounds); ``lr`` is the inner SGD's learning rate.
 
     Example::
 
@@ -121,7 +123,7 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     world = SimWorld(workers, network=network, compute=compute, seed=seed, timing_only=True)
     started = time.perf_counter()
     rows = world.run(step_worker, algorithm, build, warmup=warmup, steps=steps,
-                     size_only=True)
+                     size_only=True, lr=lr)
     real = time.perf_counter() - started
     per_step = [r["seconds"] / steps for r in rows]
     return Prediction(
