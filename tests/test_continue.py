@@ -21,6 +21,7 @@ import gossamer
 from gossamer.cli import main
 from gossamer.comm import CommError, SimulationError, SimWorld
 from gossamer.comm.faults import InjectedFault
+from gossamer.comm.membership import last_members
 from gossamer.launch import launch
 from gossamer.train.config import TrainConfig
 from gossamer.train.elastic import decode, encode, share_state
@@ -203,6 +204,17 @@ def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
     assert all(torch.equal(a, b) for a, b in zip(source[2] + source[3], joined[2] + joined[3],
                                                  strict=True))
     assert len(joined[3]) == 2 and not torch.equal(kept[2][0], source[2][0])
+
+
+def test_the_launcher_reads_the_last_members_from_its_store():
+    # what gossamer launch reads to stop at once a worker the others went on without
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    assert last_members(store) is None  # the membership never changed
+    store.set("gossamer/membership/1/decided", "21|0,2,3")
+    store.set("gossamer/membership/2/decided", "40|0,1,2,3")
+    assert last_members(store) == (0, 1, 2, 3)
 
 
 def test_states_travel_as_json_and_tensors_with_their_key_types():
