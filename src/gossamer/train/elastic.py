@@ -30,7 +30,7 @@ __all__ = ["decode", "encode", "share_state"]
 
 @torch.no_grad()
 def share_state(comm: Communicator, src: int, model: nn.Module,
-                optimizer: torch.optim.Optimizer, runtime: Runtime, step: int, *,
+                optimizer: torch.optim.Optimizer, runtime: Runtime, step: int,
                 joining: bool) -> int:
     """Collective over ``comm``: ``src``'s model, optimizer state, runtime state and step
     reach every worker; a ``joining`` one (that rejoins) loads them, the others keep theirs.

@@ -240,13 +240,16 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         ids = excluding(membership.waiting, step)
         if not ids:
             return
-        runtime.settle()
-        runtime.average_parameters()
+        # (the traffic of a membership change is not the algorithm's)
+        excluding(runtime.settle)
+        excluding(runtime.average_parameters)
         old = comm
         membership.admit(ids, step)
         switch(old, step)
-        share_state(comm, membership.source(), model, optimizer, runtime, step, joining=False)
-        runtime.change_membership(comm, config.algorithm.resolve(comm.world_size))
+        excluding(share_state, comm, membership.source(), model, optimizer, runtime, step,
+                  False)
+        excluding(runtime.change_membership, comm,
+                  config.algorithm.resolve(comm.world_size))
 
     def one_step(done: int) -> float:
         """Step ``done`` (from 1): its update, then its end; the step's training loss."""
