@@ -81,12 +81,18 @@ def test_on_failure_takes_stop_or_continue_and_stop_is_the_default():
         TrainConfig(algorithm="sgp", on_failure="ignore")
 
 
-def test_real_processes_without_the_launchers_store_are_refused(monkeypatch):
-    # rank 0 would host the store: its death would end the run
+@pytest.mark.parametrize("agent_store", [None, "True"])
+def test_real_processes_not_started_by_gossamer_launch_are_refused(monkeypatch, agent_store):
+    # without gossamer launch, rank 0 would host the store (its death would end the run), or
+    # torchrun's agent would stop every worker when one fails
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(ValueError, match="gossamer launch"):
+    monkeypatch.delenv("GOSSAMER_LAUNCHER_STORE", raising=False)
+    if agent_store is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    with pytest.raises(ValueError, match="needs gossamer launch"):
         run_training(TrainConfig(algorithm="sgp", steps=2, on_failure="continue"))
 
 

@@ -51,13 +51,16 @@ import torch
 
 from gossamer.comm.base import CommError, CommTimeoutError, Communicator
 
-__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "Membership", "announce_restart",
-           "last_members", "membership_window"]
+__all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "STORE_VARIABLE", "Membership",
+           "announce_restart", "last_members", "membership_window"]
 
 POLL = 0.1  # seconds between two looks at who has joined (virtual in the simulator)
 REJOIN_EVERY = 10  # steps between two looks for restarted workers waiting to rejoin
 #: Set to "1" by ``gossamer launch`` in the environment of a worker it restarted: it rejoins.
 REJOIN_VARIABLE = "GOSSAMER_REJOIN"
+#: Set to "1" by ``gossamer launch --on-failure continue`` in every worker's environment: the
+#: launcher hosts the store and lets the others go on when one fails.
+STORE_VARIABLE = "GOSSAMER_LAUNCHER_STORE"
 _PREFIX = "gossamer/membership"
 
 

@@ -27,6 +27,7 @@ from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import torchrun_variables
 from gossamer.comm.membership import (
     REJOIN_VARIABLE,
+    STORE_VARIABLE,
     announce_restart,
     last_members,
     membership_window,
@@ -59,7 +60,7 @@ def run_continuing(train_args: list[str], nproc: int, env: dict[str, str],
         variables = {**env, **torchrun_variables(rank, nproc, "127.0.0.1", store.port),
                      "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": str(restarts),
                      "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
-                     "TORCHELASTIC_USE_AGENT_STORE": "True"}
+                     "TORCHELASTIC_USE_AGENT_STORE": "True", STORE_VARIABLE: "1"}
         if restarts:
             variables[REJOIN_VARIABLE] = "1"
         supervisor = Supervisor(output=output, grace=grace, shield=guard.shielded)

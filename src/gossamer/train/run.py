@@ -15,7 +15,7 @@ from typing import Any
 
 from gossamer.comm.base import default_timeout
 from gossamer.comm.environment import launched
-from gossamer.comm.membership import REJOIN_VARIABLE, Membership
+from gossamer.comm.membership import REJOIN_VARIABLE, STORE_VARIABLE, Membership
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, load_recipe
 from gossamer.train.data import Dataset, describe_partition, load_dataset, partition
@@ -272,13 +272,14 @@ def _rejoin(config: TrainConfig) -> Membership | None:
 
 
 def _check_store_outlives_workers() -> None:
-    """on_failure="continue" on real processes needs a rendezvous store that no worker
-    hosts: the launcher's (gossamer launch), or torchrun's agent's."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    """on_failure="continue" on real processes needs ``gossamer launch``: it hosts the
+    rendezvous store (no worker does) and lets the others go on when one fails."""
+    if os.environ.get(STORE_VARIABLE) != "1":
         raise ValueError(
-            "on_failure='continue' (--on-failure continue) needs a rendezvous store that "
-            "outlives every worker; here rank 0 would host it, and its death would end the "
-            "run. Start the workers with gossamer launch, which hosts the store")
+            "on_failure='continue' (--on-failure continue) needs gossamer launch, which hosts "
+            "the rendezvous store and lets the others go on when a worker fails; here a "
+            "worker would host it (its death would end the run), or the launcher (torchrun) "
+            "stops every worker when one fails")
 
 
 def _launched_rank() -> int:
