@@ -246,7 +246,8 @@ class SizeOnlyMode(TorchDispatchMode):
         elements = sorted(e for e, c in counts.items() if c == size)
         if not elements:
             return None
-        return elements, self._real(t).reshape(-1)[elements]
+        data = [known[e * size + i] for e in elements for i in range(size)]
+        return elements, torch.tensor(data, dtype=torch.uint8).view(t.dtype)
 
     def _record(self, out: torch.Tensor, value: torch.Tensor | None,
                 elements: list[int] | None = None) -> None:
