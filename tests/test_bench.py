@@ -14,7 +14,7 @@ from gossamer.bench.harness import available, find_root
 from gossamer.cli import build_parser, main
 
 EXPECTED = {"accuracy", "allreduce_vs_ddp", "compress", "gossip", "gossipgrad", "local_sgd",
-            "network", "outer", "sim_overhead", "wagma"}
+            "network", "outer", "plan", "sim_overhead", "wagma"}
 
 
 def _bench(argv: list[str]) -> int:
