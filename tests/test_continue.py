@@ -35,8 +35,9 @@ CRASH = "2:100:crash"
 
 
 @functools.cache
-def _sim(algorithm: str, faults: tuple[str, ...] = (), run_dir: str | None = None) -> dict:
-    config = TrainConfig(algorithm=algorithm, sim=4, steps=STEPS, eval_every=STEPS, timeout=3,
+def _sim(algorithm: str, faults: tuple[str, ...] = (), run_dir: str | None = None,
+         steps: int = STEPS) -> dict:
+    config = TrainConfig(algorithm=algorithm, sim=4, steps=steps, eval_every=steps, timeout=3,
                          quiet=True, on_failure="continue", faults=faults, run_dir=run_dir)
     return run_training(config)
 
@@ -262,11 +263,16 @@ def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_pat
 @pytest.mark.slow
 @pytest.mark.gloo
 def test_gloo_kill_9_then_the_restarted_worker_rejoins_with_a_live_peers_state(tmp_path):
-    # local SGD; rank 2 is killed with SIGKILL from outside after step 20 and restarted
+    # local SGD; rank 2 is killed with SIGKILL from outside after step 20 and restarted. The
+    # kill lands at a step that varies from run to run, and so does the result: twice the
+    # steps of the other tests, so that the model is near its plateau (at 200 steps the
+    # fault-free accuracy alone spreads over 0.8 points between seeds, at 400 over 0.3)
+    steps = 2 * STEPS
     run_dir, out = tmp_path / "run", tmp_path / "result.json"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "gossamer", "launch", "--nproc", "4", "--max-restarts", "1", "--",
-         "--algorithm", "localsgd", *RUN, "--log-every", "1", "--on-failure", "continue",
+         "--algorithm", "localsgd", "--steps", str(steps), "--eval-every", str(steps),
+         "--quiet", "--log-every", "1", "--on-failure", "continue",
          "--timeout", "3", "--json", str(out), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -281,12 +287,14 @@ def test_gloo_kill_9_then_the_restarted_worker_rejoins_with_a_live_peers_state(t
     history = result["membership"]
     # the survivors went on without rank 2, then the restarted worker was let in
     assert [h["members"] for h in history] == [[0, 1, 2, 3], [0, 1, 3], [0, 1, 2, 3]]
-    assert 20 < history[1]["step"] < history[2]["step"] < STEPS
-    assert result["world_size"] == 4 and result["step"] == STEPS
+    assert 20 < history[1]["step"] < history[2]["step"] < steps
+    assert result["world_size"] == 4 and result["step"] == steps
     # the rejoined worker ends with the same averaged model as the others
     assert result["consensus_distance"] == 0
     assert len(set(result["worker_eval_loss"])) == 1 and len(result["worker_eval_loss"]) == 4
-    assert abs(result["eval_accuracy"] - _sim("localsgd")["eval_accuracy"]) <= 0.01
+    fault_free = _sim("localsgd", steps=steps)["eval_accuracy"]
+    assert abs(result["eval_accuracy"] - fault_free) <= 0.01, (result["eval_accuracy"],
+                                                               fault_free)
     records = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["members"] for r in records if r["kind"] == "membership"] == [[0, 1, 3],
                                                                             [0, 1, 2, 3]]
