@@ -213,16 +213,8 @@ class GossipBuckets(ThreadedBuckets):
             named = [(self.named[i][0], self.params[i].grad) for i in members]
             self._finite_or_zeros(named, overflow)
             return named, step
-        present = [(self.named[i][0], self.params[i].grad) for i in members
-                   if self.params[i].grad is not None]
-        for i in members:
-            grad = self.params[i].grad
-            if grad is None:
-                self.buckets.views[i].zero_()
-            else:
-                self.buckets.views[i].copy_(grad)
         buffer = self.buckets.buffers[bucket]
-        self._finite_or_zeros(present, overflow, zeros=buffer)
+        self._finite_or_zeros(self._gather(bucket, self.buckets.views), overflow, zeros=buffer)
         return buffer, step
 
     def _send(self, what: torch.Tensor | list[tuple[str, torch.Tensor]], step: int) -> None:

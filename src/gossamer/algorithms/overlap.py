@@ -173,6 +173,20 @@ class BackwardSchedule:
         self._complete()
         self.averaged = True
 
+    def _gather(self, bucket: int, views: Sequence[torch.Tensor]
+                ) -> list[tuple[str, torch.Tensor]]:
+        """Copy bucket ``bucket``'s gradients into their ``views`` (a flat buffer's parts, by
+        position; a missing gradient as zeros); the ``(name, gradient)`` of those present."""
+        present = []
+        for i in self.members[bucket]:
+            grad = self.params[i].grad
+            if grad is None:
+                views[i].zero_()
+            else:
+                views[i].copy_(grad)
+                present.append((self.named[i][0], grad))
+        return present
+
     def _during_backward(self) -> bool:
         """Whether this backward's buckets start during it (default: yes)."""
         return True
@@ -225,18 +239,10 @@ class GradientBuckets(BackwardSchedule):
         """Copy bucket ``bucket``'s gradients into its buffer (None: zeros), with zeros and this
         rank's flag in place of non-finite gradients (or of every one, with ``nonfinite``: a
         GradScaler found an overflow here); the buffer."""
-        members = self.members[bucket]
-        present = [(self.named[i][0], self.params[i].grad) for i in members
-                   if self.params[i].grad is not None]
-        for i in members:
-            grad = self.params[i].grad
-            if grad is None:
-                self.views[i].zero_()
-            else:
-                self.views[i].copy_(grad)
+        present = self._gather(bucket, self.views)
         if nonfinite or not all_finite([g for _, g in present]):
             self._nonfinite += present  # described (the non-finite ones) only on error
-            for i in members:
+            for i in self.members[bucket]:
                 self.views[i].zero_()
             set_flag(self.flags, self.comm.rank)
         return self.buckets.buffers[bucket]
