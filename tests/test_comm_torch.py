@@ -218,6 +218,33 @@ def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
+_NEVER_CLOSED = """
+import atexit
+import torch
+import torch.distributed as dist
+from gossamer.comm import TorchCommunicator
+
+# registered first, so it runs last (atexit is last in, first out): after gossamer's hook
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+comm = TorchCommunicator.from_env(backend="gloo", timeout=30)
+comm.all_reduce(torch.ones(3))
+"""
+
+
+@pytest.mark.gloo
+def test_a_communicator_never_closed_closes_at_exit(tmp_path) -> None:
+    """A program that never calls close() (as most examples) must not leave gloo's threads to
+    the interpreter's finalisation, where they can abort the process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized at exit: False" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 def _polls_a_receive() -> list[bool]:
     """Rank 0 posts a receive and polls it; rank 1 sends after a while."""
     import time

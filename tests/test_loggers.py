@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,8 @@ def _wandb_records(run_dir: Path):
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         if kind in (1, 2):  # full, first
             pending = chunk
@@ -140,6 +143,22 @@ def _wandb_records(run_dir: Path):
             yield record
 
 
+def _finished_wandb_records(run_dir: Path, patience: float = 60.0) -> list:
+    """The run's records once its log holds the ``exit`` record, which W&B's service writes
+    after the last history: ``finish()`` can return before the service's writer has flushed
+    the file (seen once on a loaded machine), so the reader waits, at most ``patience`` s."""
+    end = time.monotonic() + patience
+    while True:
+        records = list(_wandb_records(run_dir))
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            return records
+        if time.monotonic() > end:
+            raise AssertionError(f"no exit record in {run_dir} after {patience:.0f} s: "
+                                 f"{sorted(set(kinds))}")
+        time.sleep(0.2)
+
+
 @pytest.mark.slow  # starts the tool's service or database
 @needs("wandb")
 def test_wandb_logger_stores_history_at_steps_and_the_summary(tmp_path):
@@ -148,7 +167,7 @@ def test_wandb_logger_stores_history_at_steps_and_the_summary(tmp_path):
     assert logger.dir.name.startswith("offline-run-")
     history: dict[str, list[tuple[int, float]]] = {}
     summary: dict[str, object] = {}
-    for record in _wandb_records(logger.dir):
+    for record in _finished_wandb_records(logger.dir):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             for item in record.history.item:

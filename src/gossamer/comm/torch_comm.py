@@ -12,6 +12,7 @@ ones that stopped.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import ipaddress
 import os
@@ -20,7 +21,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
@@ -318,6 +319,7 @@ class TorchCommunicator:
         self._label = "no operation yet"
         self._store = store  # kept alive with the communicator
         self._owns_group = False
+        self._close_at_exit: Callable[[], None] | None = None  # registered by from_env
         self._store_host: int | None = None  # global rank hosting the store, when known
         self._failed: CommError | None = None  # the failure this communicator raised, if any
         if store_addr is None and isinstance(store, dist.TCPStore):
@@ -398,6 +400,10 @@ class TorchCommunicator:
             raise
         comm._owns_group = True
         comm._store_host = None if agent_store else 0
+        # a program that never calls close() would leave gloo's threads to the interpreter's
+        # finalisation, which can abort it (see close); atexit runs before that
+        comm._close_at_exit = comm.close
+        atexit.register(comm._close_at_exit)
         return comm
 
     # -- properties ------------------------------------------------------------------------
@@ -654,7 +660,8 @@ class TorchCommunicator:
         end only when the last reference to it goes; one that outlives the interpreter can
         release a finished operation's tensors while Python finalises, which aborts the
         process ("terminate called without an active exception"). So when ``close()``
-        returns, a group it destroyed has joined its threads.
+        returns, a group it destroyed has joined its threads. A communicator made by
+        :meth:`from_env` closes itself at exit where the program did not.
         """
         if self._heartbeat is not None:
             hosting = self._store_host == self._global_ranks[self._rank]
@@ -668,6 +675,9 @@ class TorchCommunicator:
                                      expected=size - len(failed.peers),
                                      patience=self._timeout + 2 * _DIAGNOSE_GAP + _CLOSE_WAIT)
             self._heartbeat = None
+        if self._close_at_exit is not None:
+            atexit.unregister(self._close_at_exit)
+            self._close_at_exit = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         if self._owns_group:
