@@ -230,3 +230,56 @@ def test_before_eval_is_the_runtimes():
         return opt.runtime.synchronizations - before
 
     assert SimWorld(2).run(worker) == [1, 1]
+
+
+def test_step_hooks_and_the_profilers_record_are_torchs():
+    """The step runs the global and the optimizer's own pre- and post-hooks in torch's order,
+    a pre-hook may replace the arguments, and a profiler sees the step under torch's name."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    def steps(comm):
+        model = _model()
+        optimizer = gossamer.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce", comm)
+        calls = []
+        closure_calls = []
+
+        def closure():
+            closure_calls.append(1)
+            optimizer.zero_grad()
+            loss = _loss(model, 0)
+            loss.backward()
+            return loss
+
+        def own_pre(opt, args, kwargs):
+            calls.append(("own pre", opt is optimizer))
+            return (), {"closure": closure}  # the step then evaluates this closure
+
+        handles = [
+            register_optimizer_step_pre_hook(lambda opt, a, k: calls.append(("global pre", 0))),
+            optimizer.register_step_pre_hook(own_pre),
+            optimizer.register_step_post_hook(lambda opt, a, k: calls.append(("own post", a))),
+            register_optimizer_step_post_hook(lambda opt, a, k: calls.append(("global post", 0))),
+        ]
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                optimizer.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        names = {event.name for event in prof.events()}
+        return calls, len(closure_calls), names
+
+    calls, closures, names = SimWorld(1).run(steps)[0]
+    # torch runs the inner SGD's own hooks too: only the global ones twice
+    own = [c for c in calls if c[0].startswith("own")]
+    assert own == [("own pre", True), ("own post", ())]
+    assert [c[0] for c in calls if c[0].startswith("global")] == [
+        "global pre", "global pre", "global post", "global post"]
+    assert calls.index(("own pre", True)) < calls.index(("own post", ()))
+    assert closures == 1
+    assert "Optimizer.step#DistributedOptimizer.step" in names
+    assert "Optimizer.step#SGD.step" in names

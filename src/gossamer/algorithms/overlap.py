@@ -177,14 +177,17 @@ class BackwardSchedule:
                 ) -> list[tuple[str, torch.Tensor]]:
         """Copy bucket ``bucket``'s gradients into their ``views`` (a flat buffer's parts, by
         position; a missing gradient as zeros); the ``(name, gradient)`` of those present."""
-        present = []
+        present, targets, grads = [], [], []
         for i in self.members[bucket]:
             grad = self.params[i].grad
             if grad is None:
                 views[i].zero_()
             else:
-                views[i].copy_(grad)
+                targets.append(views[i])
+                grads.append(grad)
                 present.append((self.named[i][0], grad))
+        if grads:
+            torch._foreach_copy_(targets, grads)  # one call: a small bucket's copies are calls
         return present
 
     def _during_backward(self) -> bool:
@@ -223,12 +226,15 @@ class GradientBuckets(BackwardSchedule):
         self.views = self.buckets.views[:-1]
         super().__init__(ordered, [bucket for bucket, _, _ in self.buckets.slots[:-1]],
                          overlap and overlaps(comm))
+        #: per bucket, the part of its buffer that holds its gradients (without the flags)
+        self._spans = [self.buckets.buffers[bucket][:sum(self.views[i].numel() for i in members)]
+                       for bucket, members in enumerate(self.members)]
         self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
         self._handles: list = []
 
     def new_step(self) -> None:
-        """Forget the last step (its flags and averages)."""
-        self.flags.zero_()
+        """Forget the last step (its averages; the flags are zeroed where a reduction
+        starts)."""
         self._nonfinite = []
         super().new_step()
 
@@ -240,7 +246,7 @@ class GradientBuckets(BackwardSchedule):
         rank's flag in place of non-finite gradients (or of every one, with ``nonfinite``: a
         GradScaler found an overflow here); the buffer."""
         present = self._gather(bucket, self.views)
-        if nonfinite or not all_finite([g for _, g in present]):
+        if nonfinite or not all_finite([self._spans[bucket]]):  # one sum: the flat copies
             self._nonfinite += present  # described (the non-finite ones) only on error
             for i in self.members[bucket]:
                 self.views[i].zero_()
@@ -280,17 +286,21 @@ class GradientBuckets(BackwardSchedule):
     def _write_averages(self) -> None:
         """Divide by the world size and copy into the gradients, unless a worker flagged a
         non-finite gradient (then the gradients stay as they were: the step is dropped)."""
-        if bool(self.flags.any()):
+        if any(self.flags.tolist()):  # a few numbers: cheaper than a reduction
             return
         for buffer in self.buckets.buffers:
             buffer.div_(self.comm.world_size)  # the flags are zero: dividing them is harmless
+        targets, averages = [], []
         for p, averaged in zip(self.params, self.views, strict=True):
             if p.grad is None:
                 # Unused on this worker but maybe not on others: take the average anyway,
                 # so the replicas stay identical.
                 p.grad = averaged.clone()
             else:
-                p.grad.copy_(averaged)
+                targets.append(p.grad)
+                averages.append(averaged)
+        if targets:
+            torch._foreach_copy_(targets, averages)
 
 
 class ThreadedBuckets(BackwardSchedule):
@@ -374,7 +384,7 @@ class ThreadedBuckets(BackwardSchedule):
         """Whether the gradients ``named`` are finite (and not ``overflow``); if not, they
         are described (in ``found``) and become zeros, or ``zeros`` (their flat copy) does,
         so that no message or memory ever holds such a value."""
-        if not overflow and all_finite([g for _, g in named]):
+        if not overflow and all_finite([zeros] if zeros is not None else [g for _, g in named]):
             return True
         self._found.append(describe_nonfinite(named, "gradient") or "the gradient")
         for t in [zeros] if zeros is not None else [g for _, g in named]:
