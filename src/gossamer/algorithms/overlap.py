@@ -231,6 +231,7 @@ class GradientBuckets(BackwardSchedule):
                        for bucket, members in enumerate(self.members)]
         self._nonfinite: list[tuple[str, torch.Tensor]] = []  # this step's, (name, gradient)
         self._handles: list = []
+        self._flags_dirty = False  # whether the flags may hold anything but zeros
 
     def new_step(self) -> None:
         """Forget the last step (its averages; the flags are zeroed where a reduction
@@ -239,7 +240,14 @@ class GradientBuckets(BackwardSchedule):
         super().new_step()
 
     def _begin(self) -> None:
-        self.flags.zero_()  # this backward's: a non-finite gradient is found again
+        self._zero_flags()  # this backward's: a non-finite gradient is found again
+
+    def _zero_flags(self) -> None:
+        """Zero the flags, unless they are zeros already (one tensor operation less a step:
+        a small model's step is made of such calls)."""
+        if self._flags_dirty:
+            self.flags.zero_()
+            self._flags_dirty = False
 
     def _pack(self, bucket: int, nonfinite: bool = False) -> torch.Tensor:
         """Copy bucket ``bucket``'s gradients into its buffer (None: zeros), with zeros and this
@@ -251,6 +259,7 @@ class GradientBuckets(BackwardSchedule):
             for i in self.members[bucket]:
                 self.views[i].zero_()
             set_flag(self.flags, self.comm.rank)
+        self._flags_dirty = True  # the reduction writes the flags' sum (until it is read)
         return self.buckets.buffers[bucket]
 
     @property
@@ -277,7 +286,7 @@ class GradientBuckets(BackwardSchedule):
         then write the averages; ``overflow`` (a GradScaler's finding here) flags this rank."""
         if self.averaged:
             return
-        self.flags.zero_()
+        self._zero_flags()
         for bucket in range(len(self.members)):  # the flags' bucket last, as during backward
             self.comm.all_reduce(self._pack(bucket, nonfinite=bool(overflow)), op="sum")
         self._write_averages()
@@ -286,7 +295,8 @@ class GradientBuckets(BackwardSchedule):
     def _write_averages(self) -> None:
         """Divide by the world size and copy into the gradients, unless a worker flagged a
         non-finite gradient (then the gradients stay as they were: the step is dropped)."""
-        if any(self.flags.tolist()):  # a few numbers: cheaper than a reduction
+        self._flags_dirty = any(self.flags.tolist())  # a few numbers: cheaper than a reduction
+        if self._flags_dirty:
             return
         for buffer in self.buckets.buffers:
             buffer.div_(self.comm.world_size)  # the flags are zero: dividing them is harmless

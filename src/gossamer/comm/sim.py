@@ -351,8 +351,9 @@ class SimWorld:
 
     def _resume(self, w: _Worker) -> None:
         """Runs in ``w``'s greenlet when it gets the turn: its own random and grad state."""
-        torch.set_rng_state(w.torch_rng)
-        torch.set_grad_enabled(w.grad_enabled)
+        # (the generator's and autograd's own calls: torch's wrappers cost a few us a switch)
+        torch.default_generator.set_state(w.torch_rng)
+        torch._C._set_grad_enabled(w.grad_enabled)
         w.resumed_at = time.perf_counter()
 
     def _yield(self, w: _Worker) -> None:
@@ -366,7 +367,7 @@ class SimWorld:
                 "SimWorld cannot switch workers inside torch.inference_mode(), whose state it "
                 "cannot save: communicate under torch.no_grad() instead"
             )
-        w.torch_rng = torch.get_rng_state()
+        w.torch_rng = torch.default_generator.get_state()
         w.grad_enabled = torch.is_grad_enabled()
         w.active_time += time.perf_counter() - w.resumed_at
         self._hub.switch()
@@ -489,12 +490,15 @@ class SimWorld:
         w.collective_seq[view._group] += 1
         seq = w.collective_seq[view._group]
         key = (view._group, seq)
-        name = f"{kind} #{seq}"
-        pending = self._pending.setdefault(key, _Pending(kind, members, name))
+        pending = self._pending.get(key)
+        if pending is None:  # the first to arrive (not setdefault: one record per collective)
+            pending = self._pending[key] = _Pending(kind, members, f"{kind} #{seq}")
+        name = pending.name
         arrival = max(w.clock, w.nic_free)
         first = next(iter(pending.data.values()), None)
         if pending.kind != kind or (first is not None and first[0] != signature):
             pending.abandoned_at = -math.inf
+            name = f"{kind} #{seq}"
             raise CommError(
                 f"{name}: members called different collectives or shapes "
                 f"({first[0] if first else pending.kind} vs {signature})", op=name,
@@ -652,6 +656,8 @@ class SimComm:
             range(world.world_size)
         ) else CommStats()
         self._exchanges = 0
+        #: (numel, element size) -> the ring all-reduce's traffic of this rank (sent, received)
+        self._ring_traffic: dict[tuple[int, int], tuple[cost.Traffic, cost.Traffic]] = {}
 
     @property
     def rank(self) -> int:
@@ -701,11 +707,14 @@ class SimComm:
         n, me = self.world_size, self._rank
         self._count("all_reduce")
         numel, esize = tensor.numel(), tensor.element_size()
-        self._record_traffic(
-            cost.ring_all_reduce_traffic(me, n, numel, esize),
-            [((me - 1) % n, b, m) for _, b, m in cost.ring_all_reduce_traffic((me - 1) % n, n,
-                                                                              numel, esize)],
-        )
+        traffic = self._ring_traffic.get((numel, esize))
+        if traffic is None:  # the same every step: worked out once
+            pred = (me - 1) % n
+            traffic = self._ring_traffic[(numel, esize)] = (
+                cost.ring_all_reduce_traffic(me, n, numel, esize),
+                [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, numel, esize)],
+            )
+        self._record_traffic(*traffic)
         if n == 1:
             return tensor
         world = self._world
@@ -723,8 +732,12 @@ class SimComm:
                 n, numel, esize, world.network, p.members), {}
 
         signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
-        with torch.no_grad():
+        enabled = torch.is_grad_enabled()  # no_grad(), at a quarter of its cost
+        torch._C._set_grad_enabled(False)
+        try:
             self._world._collective(self, "all_reduce", tensor, signature, finish)
+        finally:
+            torch._C._set_grad_enabled(enabled)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
