@@ -59,6 +59,29 @@ def time_to(history: list[dict[str, Any]], target: float) -> float | None:
     return next((e["wall_clock"] for e in history if e["eval_loss"] <= target), None)
 
 
+def result_row(name: str, seed: int, metrics, reference: dict[str, Any], target: float,
+               warmup: int) -> dict[str, Any]:
+    """One method's row (printed as well): its final loss and bytes against AllReduce's
+    (``reference``, its final record), and the wall-clock to ``target``."""
+    final = metrics.final
+    reached = time_to(metrics.evals, target)
+    row = {
+        "method": name.replace(f":warmup_steps={warmup}", ""), "seed": seed,
+        "eval_loss": final["eval_loss"],
+        "delta_vs_allreduce": final["eval_loss"] - reference["eval_loss"],
+        "bytes_sent": final["bytes_sent"],
+        "bytes_vs_allreduce": final["bytes_sent"] / reference["bytes_sent"],
+        "synchronizations": final.get("synchronizations"),
+        "target": target, "time_to_target": reached, "wall_clock": final["wall_clock"],
+        "history": [(e["step"], e["eval_loss"], e["wall_clock"]) for e in metrics.evals],
+    }
+    print(f"seed {seed} {row['method']:34s} loss {final['eval_loss']:.4f} "
+          f"({row['delta_vs_allreduce']:+.4f})  bytes {row['bytes_vs_allreduce']:.4f}x  "
+          f"{final['wall_clock']:.1f} s, to {target:.3f}: "
+          + (f"{reached:.1f} s" if reached is not None else "not reached"))
+    return row
+
+
 def run(args: argparse.Namespace, results: Results) -> int:
     from gossamer.train.compare import run_compare
 
@@ -84,24 +107,7 @@ def run(args: argparse.Namespace, results: Results) -> int:
         reference = runs[names[0]].final
         target = reference["eval_loss"] + args.margin
         for name, metrics in runs.items():
-            final = metrics.final
-            reached = time_to(metrics.evals, target)
-            rows.append({
-                "method": name.replace(f":warmup_steps={base.warmup_steps}", ""),
-                "seed": seed, "eval_loss": final["eval_loss"],
-                "delta_vs_allreduce": final["eval_loss"] - reference["eval_loss"],
-                "bytes_sent": final["bytes_sent"],
-                "bytes_vs_allreduce": final["bytes_sent"] / reference["bytes_sent"],
-                "synchronizations": final["synchronizations"],
-                "target": target, "time_to_target": reached,
-                "wall_clock": final["wall_clock"],
-                "history": [(e["step"], e["eval_loss"], e["wall_clock"])
-                            for e in metrics.evals],
-            })
-            print(f"seed {seed} {rows[-1]['method']:34s} loss {final['eval_loss']:.4f} "
-                  f"({rows[-1]['delta_vs_allreduce']:+.4f})  bytes "
-                  f"{rows[-1]['bytes_vs_allreduce']:.4f}x  to {target:.3f}: "
-                  + (f"{reached:.1f} s" if reached is not None else "not reached"))
+            rows.append(result_row(name, seed, metrics, reference, target, base.warmup_steps))
     print_table(rows)
     results.write("outer_text", {"config": base.as_dict(), "seeds": args.seeds,
                                  "margin": args.margin, "rows": rows})
@@ -138,24 +144,10 @@ def emulated(args: argparse.Namespace, base, names: list[str], results: Results)
                                 "--config", str(recipe)], check=True)
                 print(f"{name}: {time.perf_counter() - started:.0f} s")
             metrics = load_metrics(run_dir)
-            final = metrics.final
             if target is None:
-                target = final["eval_loss"] + args.margin
-                reference = final
-            reached = time_to(metrics.evals, target)
-            rows.append({
-                "method": name.replace(f":warmup_steps={base.warmup_steps}", ""), "seed": seed,
-                "eval_loss": final["eval_loss"],
-                "delta_vs_allreduce": final["eval_loss"] - reference["eval_loss"],
-                "bytes_vs_allreduce": final["bytes_sent"] / reference["bytes_sent"],
-                "wall_clock": final["wall_clock"], "target": target,
-                "time_to_target": reached,
-                "history": [(e["step"], e["eval_loss"], e["wall_clock"])
-                            for e in metrics.evals]})
-            print(f"seed {seed} {rows[-1]['method']:24s} loss {final['eval_loss']:.4f} "
-                  f"({rows[-1]['delta_vs_allreduce']:+.4f}), {final['wall_clock']:.1f} s, to "
-                  f"{target:.3f}: " + (f"{reached:.1f} s" if reached is not None
-                                       else "not reached"))
+                reference = metrics.final
+                target = reference["eval_loss"] + args.margin
+            rows.append(result_row(name, seed, metrics, reference, target, base.warmup_steps))
     results.write(f"outer_text_{args.emulate}", {"config": base.as_dict(), "rows": rows,
                                                 "emulate": args.emulate, "margin": args.margin})
     return 0

@@ -119,23 +119,24 @@ class HookState:
         last = bucket.is_last()
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
-        def job() -> None:
-            try:
-                reduce(buffer, grads, params)
-                self._count(last)
-            except BaseException as exc:  # noqa: BLE001 - DDP raises it from the future
-                future.set_exception(exc)
-                return
-            future.set_result(buffer)
+        def job() -> torch.Tensor:
+            reduce(buffer, grads, params)
+            self._count(last)
+            return buffer
 
         if not overlaps(self.comm):
-            reduce(buffer, grads, params)  # its error is raised here, by the hook
-            self._count(last)
-            future.set_result(buffer)
+            future.set_result(job())  # its error is raised here, by the hook
             return future
+
+        def on_thread() -> None:
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - DDP raises it from the future
+                future.set_exception(exc)
+
         if self._thread is None:
             self._thread = CommThread()
-        self._thread.submit(job)
+        self._thread.submit(on_thread)
         return future
 
     def _count(self, last: bool) -> None:
