@@ -10,7 +10,7 @@ bytes that cost.py counts.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -27,7 +27,16 @@ from gossamer.comm.base import (
     tensor_nbytes,
 )
 
-__all__ = ["P2PGroup"]
+__all__ = ["P2PGroup", "uncounted"]
+
+
+def uncounted(comm: Communicator) -> AbstractContextManager:
+    """A context in which ``comm``'s exchanges (posted and waited for inside it) are not
+    counted in its stats, where it offers one (TorchCommunicator, P2PGroup): a subgroup's
+    control messages, e.g. the shape headers of its all-gather, which a communicator's own
+    all-gather does not count either (the stats count payloads, as cost.py does)."""
+    context = getattr(comm, "_uncounted", None)
+    return context() if context is not None else nullcontext()
 
 # all_gather sends each rank's shape ahead of the payload in a fixed-size int64 header.
 _MAX_DIMS = 16
@@ -40,8 +49,10 @@ _DTYPES: tuple[torch.dtype, ...] = (
 class _GroupExchange:
     """The handle of :meth:`P2PGroup.exchange`: the parent's, with ranks translated back."""
 
-    def __init__(self, group: P2PGroup, handle: Handle, label: str) -> None:
+    def __init__(self, group: P2PGroup, handle: Handle, label: str, counted: bool = True
+                 ) -> None:
         self._group, self._handle, self._label = group, handle, label
+        self._counted = counted
         self._result: dict[int, torch.Tensor] | None = None
 
     def ready(self) -> bool:
@@ -53,7 +64,7 @@ class _GroupExchange:
                 got = self._handle.wait()
             index = self._group._index
             self._result = {index[q]: t for q, t in got.items()}
-            for peer, t in self._result.items():
+            for peer, t in self._result.items() if self._counted else ():
                 self._group.stats.record_receive(peer, tensor_nbytes(t))
         return self._result
 
@@ -64,8 +75,10 @@ class P2PGroup:
     Member ``ranks[i]`` of the parent is rank ``i`` here. Construct it on the members only
     (others get a ValueError), all with the same ``ranks``. Its ``stats`` count in group ranks,
     as cost.py counts the collectives; the parent's stats also see the traffic, in its ranks,
-    since everything goes through ``parent.exchange``. Each step of a collective is bounded
-    by the parent's timeout, and a parent's CommError comes back naming the group operation.
+    since everything goes through ``parent.exchange`` (all but the control messages: the
+    all-gather's shape headers and the barrier's signals, see :func:`uncounted`). Each step
+    of a collective is bounded by the parent's timeout, and a parent's CommError comes back
+    naming the group operation.
     """
 
     def __init__(self, parent: Communicator, ranks: Sequence[int]) -> None:
@@ -81,6 +94,7 @@ class P2PGroup:
         self._rank = self._index[parent.rank]
         self._stats = CommStats()
         self._seq = 0
+        self._counting = True
 
     @property
     def rank(self) -> int:
@@ -163,7 +177,8 @@ class P2PGroup:
         n, r = self.world_size, self._rank
         with self._errors(label):
             header = shape_header(tensor).to(tensor.device)
-            headers = self._ring_gather(header, lambda i: header)
+            with uncounted(self._parent):  # as TorchCommunicator.all_gather: payloads only
+                headers = self._ring_gather(header, lambda i: header)
             shapes = check_headers(headers)
             numels = [numel_of(s) for s in shapes]
             mine = tensor.detach().reshape(-1).clone()
@@ -210,7 +225,7 @@ class P2PGroup:
         label = self._begin("barrier")
         n, r = self.world_size, self._rank
         token = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        with self._errors(label):
+        with self._errors(label), uncounted(self._parent):  # zero-byte signals, as cost.py
             for k in range(cost.barrier_rounds(n)):
                 self._exchange({(r + (1 << k)) % n: token}, [(r - (1 << k)) % n], token)
         self._record(
@@ -234,10 +249,21 @@ class P2PGroup:
                 [self._ranks[p] for p in recv_from],
                 like,
             )
-        for peer, t in sends.items():
-            self._stats.record_send(peer, tensor_nbytes(t))
-        self._stats.operations["exchange"] += 1
-        return _GroupExchange(self, handle, label)
+        if self._counting:
+            for peer, t in sends.items():
+                self._stats.record_send(peer, tensor_nbytes(t))
+            self._stats.operations["exchange"] += 1
+        return _GroupExchange(self, handle, label, counted=self._counting)
+
+    @contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """See :func:`uncounted`: not here, nor in the parent."""
+        saved, self._counting = self._counting, False
+        try:
+            with uncounted(self._parent):
+                yield
+        finally:
+            self._counting = saved
 
     def group(self, ranks: Sequence[int]) -> Communicator:
         """A nested subgroup, ``ranks`` in this group's ranks."""

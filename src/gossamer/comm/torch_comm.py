@@ -13,6 +13,7 @@ ones that stopped.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import ipaddress
 import os
@@ -21,7 +22,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
@@ -204,8 +205,9 @@ class _Exchange:
 
     def __init__(self, comm: TorchCommunicator, label: str, peers: list[int], works: list,
                  sends: list[torch.Tensor], recvs: dict[int, torch.Tensor],
-                 sentinels: dict[int, torch.Tensor] | None = None) -> None:
+                 sentinels: dict[int, torch.Tensor] | None = None, counted: bool = True) -> None:
         self._comm, self._label, self._peers = comm, label, peers
+        self._counted = counted
         self._works = works
         self._sends = sends  # kept alive until the sends completed
         self._recvs = recvs
@@ -236,7 +238,7 @@ class _Exchange:
         except CommError as exc:
             self._error = exc
             raise
-        for peer, buf in self._recvs.items():
+        for peer, buf in self._recvs.items() if self._counted else ():
             self._comm.stats.record_receive(peer, tensor_nbytes(buf))
         self._result = dict(self._recvs)
         self._works, self._sends = [], []
@@ -320,6 +322,7 @@ class TorchCommunicator:
         self._store = store  # kept alive with the communicator
         self._owns_group = False
         self._close_at_exit: Callable[[], None] | None = None  # registered by from_env
+        self._counting = True  # whether exchanges count in the stats (see _uncounted)
         self._store_host: int | None = None  # global rank hosting the store, when known
         self._failed: CommError | None = None  # the failure this communicator raised, if any
         if store_addr is None and isinstance(store, dist.TCPStore):
@@ -620,11 +623,22 @@ class TorchCommunicator:
                 works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
         except dist.DistError as exc:
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
-        for peer, t in sends.items():
-            self._stats.record_send(peer, tensor_nbytes(t))
-        self._stats.operations["exchange"] += 1
+        if self._counting:
+            for peer, t in sends.items():
+                self._stats.record_send(peer, tensor_nbytes(t))
+            self._stats.operations["exchange"] += 1
         return _Exchange(self, label, peers, [w for w in works if w is not None], kept, recvs,
-                         sentinels)
+                         sentinels, counted=self._counting)
+
+    @contextlib.contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """Exchanges posted inside are not counted in :attr:`stats` (see
+        :func:`gossamer.comm.p2p_group.uncounted`)."""
+        saved, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = saved
 
     def group(self, ranks: Sequence[int]) -> Communicator:
         """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`."""
