@@ -7,6 +7,8 @@
 - Conservation: what every worker's memory keeps plus ``n`` times the applied average is the
   sum of what the workers compensated (error feedback, and DGC's velocity with float32
   values), while the owners did drop entries.
+- The global threshold (Ok-Topk's, reused from the previous reduction): every sum above it is
+  kept, so the region where the large sums are keeps more than its quota.
 - At density 1 it is the exact all-reduce.
 - Bytes: each worker's bytes per step stay within a constant as n goes 4, 8, 16 (and below
   the formula's bound), while the all-gather's grow as n - 1.
@@ -134,10 +136,11 @@ SHAPES = [(64, 50), (30, 7), (5, 3)]
 
 
 def _reduce(workers: int, compressor, memory, steps: int = 2, shapes=SHAPES, **options):
-    """Each worker's (per-step [compensated, average, memory], bytes sent, reducer)."""
+    """Each worker's (per-step [memory before, gradient, average, memory after], bytes sent,
+    payload bytes, entries the owners kept at each step)."""
     def worker(comm):
         reducer = CompressedReducer(comm, compressor, memory, **options)
-        record = []
+        record, kept = [], []
         for step in range(steps):
             grads = _gradients(comm.rank + 100 * step, shapes)
             before = [_unsent(reducer, key) for key, _ in grads]
@@ -145,7 +148,8 @@ def _reduce(workers: int, compressor, memory, steps: int = 2, shapes=SHAPES, **o
             reducer.reduce(grads, step)
             record.append((before, added, [g.clone() for _, g in grads],
                            [_unsent(reducer, key) for key, _ in grads]))
-        return record, comm.stats.total_bytes_sent, reducer.payload_bytes, reducer.kept_entries
+            kept.append(reducer.kept_entries - sum(kept))
+        return record, comm.stats.total_bytes_sent, reducer.payload_bytes, kept
     return SimWorld(workers).run(worker)
 
 
@@ -172,12 +176,56 @@ def test_nothing_is_lost(memory):
                                                    else 0) for r in results)
                 total_out = sum(r[0][step][3][t] for r in results) + n * average
                 assert torch.allclose(total_out, total_in, rtol=0, atol=1e-4), (step, t)
-    # the owners kept about the target, far fewer than the union of the selections
+    # at the first step (the quotas alone) the owners kept about the target, far fewer than
+    # the union of the selections; later, at most the target per owner
     target = sum(compressor.target_count(s[0] * s[1]) for s in SHAPES
                  if compressor.compresses(torch.empty(s)))
-    kept_per_step = results[0][3] / 3
-    assert kept_per_step <= target + n - 1
-    assert kept_per_step < 2 * target  # so some selected entries were dropped, and kept
+    kept = results[0][3]
+    assert kept[0] <= target + n - 1
+    assert kept[0] < 2 * target  # so some selected entries were dropped, and kept
+    assert all(k <= n * target for k in kept)
+
+
+def test_the_threshold_lets_a_region_keep_more_than_its_share():
+    """Ok-Topk's global threshold, reused: at the second reduction each region keeps its
+    quota and its sums of magnitude at least the target-th largest kept at the first (at most
+    the target), so the region where the large gradients are (the first quarter, 1.5 times
+    larger) keeps more than its quota (a quota alone keeps the same count everywhere)."""
+    n, shape, ratio = 4, (40, 10), 0.1
+    target = 40  # ratio * 400; each of the 4 regions of 100 positions has a quota of 10
+
+    def worker(comm):
+        reducer = CompressedReducer(comm, TopK(ratio=ratio), ErrorFeedback(),
+                                    aggregation=SPARSE)
+        out = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * comm.rank + step)
+            grad = torch.randn(shape, generator=g, dtype=torch.float64)
+            grad.view(-1)[:100] *= 1.5
+            compensated = grad + (reducer.memory.residual("w") if step else 0)
+            chosen = torch.topk(compensated.view(-1).abs(), target).indices
+            sent = torch.zeros(400, dtype=torch.float64)
+            sent[chosen] = compensated.view(-1)[chosen]
+            reducer.reduce([("w", grad)], step)
+            out.append((sent, grad.view(-1) * n))  # this worker's entries; the kept sums
+        restored = CompressedReducer(comm, TopK(ratio=ratio), ErrorFeedback(),
+                                     aggregation=SPARSE)
+        restored.load_state_dict(reducer.state_dict())  # the threshold is checkpointed
+        assert restored.state_dict()["thresholds"] == reducer.state_dict()["thresholds"] != []
+        return out
+
+    results = SimWorld(n).run(worker)
+    kept_sums = results[0][0][1]
+    assert int((kept_sums != 0).sum()) == target  # the quotas at the first reduction
+    threshold = float(kept_sums.abs().topk(target).values[-1])
+    sums = sum(r[1][0] for r in results)  # the second step's sums of the selected entries
+    applied = results[0][1][1] != 0
+    assert torch.equal(applied, applied & (sums != 0))
+    counts = [int(applied[j * 100:(j + 1) * 100].sum()) for j in range(n)]
+    above = [int((sums[j * 100:(j + 1) * 100].abs() >= threshold).sum()) for j in range(n)]
+    assert counts[0] > 10, counts  # more than the quota, where the large sums are
+    for j in range(n):  # its quota, and its sums above the threshold, at most the target
+        assert max(10, min(above[j], target)) <= counts[j] <= max(10, above[j]), (counts, above)
 
 
 def test_density_one_is_the_exact_allreduce():

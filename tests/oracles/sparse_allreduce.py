@@ -14,12 +14,16 @@ Written from the papers, as one sequential loop over the workers (float64):
   largest magnitudes of the sum of the workers' top-k vectors, and the local top-k entries
   that are not in the global selection go back to the residual.
 
-The selection, per owner, is the one :mod:`gossamer.compress.sparse_allreduce` documents: the
-region's share of the per-worker target, ``q_j = ceil(K |R_j| / N)``, of the non-zero sums of
-largest magnitude (ties: the lower position), with ``K = sum_t ceil(ratio numel_t)``. The
-tensors of one step are laid end to end in the order of their names (one bucket), regions
-``R_j = [j N // n, (j + 1) N // n)``. Sums are taken in rank order. The optimizer is
-``torch.optim.SGD`` (:func:`oracles.compression.sgd_step`).
+The selection, per owner, is the one :mod:`gossamer.compress.sparse_allreduce` documents:
+among the non-zero sums of its region, the region's share of the per-worker target,
+``q_j = ceil(K |R_j| / N)``, of largest magnitude (ties: the lower position), and every sum
+of magnitude at least the global threshold ``theta`` (Ok-Topk's selection with the threshold
+of the previous iteration), at most ``max(q_j, K)`` in all, the largest; ``K = sum_t ceil(ratio
+numel_t)``, and ``theta`` is the ``K``-th largest magnitude kept at the previous step (none at
+the first step: the quotas alone; when ``C < K`` were kept, the smallest kept magnitude times
+``C / K``). The tensors of one step are laid end to end in the order of their names (one
+bucket), regions ``R_j = [j N // n, (j + 1) N // n)``. Sums are taken in rank order. The
+optimizer is ``torch.optim.SGD`` (:func:`oracles.compression.sgd_step`).
 
 Hierarchy (``node_size``): the members of a node first average their gradients exactly, then
 the node averages take part in the loop above as one worker per node (each member holds the
@@ -35,7 +39,8 @@ import torch
 from oracles.compression import GradFn, Params, selected_count, sgd_step
 
 
-def owner_selection(total: torch.Tensor, target: int, workers: int) -> list[int]:
+def owner_selection(total: torch.Tensor, target: int, workers: int,
+                    threshold: float | None = None) -> list[int]:
     """The positions every owner keeps of the summed vector ``total`` (length N)."""
     numel = total.numel()
     kept: list[int] = []
@@ -44,8 +49,23 @@ def owner_selection(total: torch.Tensor, target: int, workers: int) -> list[int]
         quota = math.ceil(target * (end - start) / numel) if end > start else 0
         candidates = [i for i in range(start, end) if total[i] != 0]
         candidates.sort(key=lambda i: (-abs(float(total[i])), i))  # stable: lower position
-        kept += candidates[:quota]
+        take = quota
+        if threshold is not None:
+            above = [i for i in candidates if abs(float(total[i])) >= threshold]
+            take = min(max(quota, len(above)), max(quota, target))
+        kept += candidates[:take]
     return sorted(kept)
+
+
+def next_threshold(total: torch.Tensor, kept: list[int], target: int) -> float | None:
+    """The ``target``-th largest magnitude among the kept sums; if fewer were kept, the
+    smallest times ``len(kept) / target``; None if none was."""
+    magnitudes = sorted((abs(float(total[i])) for i in kept), reverse=True)
+    if not magnitudes or target < 1:
+        return None
+    if len(magnitudes) >= target:
+        return magnitudes[target - 1]
+    return magnitudes[-1] * len(magnitudes) / target
 
 
 def topk_sparse_allreduce_sgd(
@@ -63,6 +83,7 @@ def topk_sparse_allreduce_sgd(
     b: list[dict[str, torch.Tensor | None]] = [dict.fromkeys(x0) for _ in range(workers)]
     residual = [torch.zeros(sum(numels), dtype=torch.float64) for _ in range(nodes)]
     trajectory = []
+    threshold: float | None = None
     for step in range(steps):
         grads = [grad(w, step, x[w]) for w in range(workers)]
         # exact average inside each node (node_size 1: the worker's own gradient)
@@ -91,7 +112,9 @@ def topk_sparse_allreduce_sgd(
         for i in range(nodes):
             for position in selected[i]:
                 total[position] = total[position] + compensated[i][position]
-        kept = set(owner_selection(total, target, nodes))
+        kept_list = owner_selection(total, target, nodes, threshold)
+        threshold = next_threshold(total, kept_list, target)
+        kept = set(kept_list)
         average = torch.zeros_like(total)
         for position in kept:
             average[position] = total[position] / nodes

@@ -10,7 +10,7 @@ thing. For each bucket of tensors it makes one collective per round:
   selects nothing sends only the header); each worker decodes and adds everyone's.
 - ``"sparse_allreduce"`` (top-k, DGC): a partitioned sparse reduce-scatter over
   point-to-point exchanges, a re-selection by each region's owner, and an all-gather of the
-  kept sums: about two payloads per worker whatever the world size; the entries the owners
+  kept sums: about three payloads per worker whatever the world size; the entries the owners
   drop stay in the memory (:mod:`gossamer.compress.sparse_allreduce`).
 
 Tensors the compressor does not take (DGC's and PowerSGD's biases...) are all-reduced dense in
@@ -124,6 +124,9 @@ class CompressedReducer:
         self.payload_bytes = 0  # compressed tensors, headers included
         self.dense_bytes = 0  # tensors all-reduced dense across nodes
         self.kept_entries = 0  # sparse_allreduce: entries the owners kept, every owner's
+        # sparse_allreduce: each bucket's threshold, the target-th largest magnitude that its
+        # last reduction kept (Ok-Topk's global threshold, reused at the next step)
+        self._thresholds: dict[tuple[str, ...], float | None] = {}
         # flags summed along with the step's first collective of each stage (see reduce)
         self._rider: torch.Tensor | None = None
         self._rider_stages: list[Communicator] = []
@@ -237,8 +240,10 @@ class CompressedReducer:
         payloads = [compressor.compress(c, key) for key, c in run]
         assert all(isinstance(p, SparsePayload) for p in payloads)
         target = sum(compressor.target_count(c.numel()) for _, c in run)
+        keys = tuple(key for key, _ in run)
         result = sparse_allreduce(cross, payloads, target,  # type: ignore[arg-type]
-                                  self._take_rider(cross))
+                                  self._take_rider(cross), self._thresholds.get(keys))
+        self._thresholds[keys] = result.threshold
         self.payload_bytes += result.nbytes
         self.kept_entries += result.kept
         self._update(run, result.sent)
@@ -274,6 +279,7 @@ class CompressedReducer:
             "payload_bytes": self.payload_bytes,
             "dense_bytes": self.dense_bytes,
             "kept_entries": self.kept_entries,
+            "thresholds": [[list(keys), value] for keys, value in self._thresholds.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -283,6 +289,7 @@ class CompressedReducer:
         self.payload_bytes = int(state.get("payload_bytes", 0))
         self.dense_bytes = int(state.get("dense_bytes", 0))
         self.kept_entries = int(state.get("kept_entries", 0))
+        self._thresholds = {tuple(keys): value for keys, value in state.get("thresholds", [])}
 
 
 def _sum_flat(comm: Communicator, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
