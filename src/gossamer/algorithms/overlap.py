@@ -298,19 +298,18 @@ class GradientBuckets(BackwardSchedule):
         self._flags_dirty = any(self.flags.tolist())  # a few numbers: cheaper than a reduction
         if self._flags_dirty:
             return
-        for buffer in self.buckets.buffers:
-            buffer.div_(self.comm.world_size)  # the flags are zero: dividing them is harmless
-        targets, averages = [], []
-        for p, averaged in zip(self.params, self.views, strict=True):
+        targets, sums = [], []
+        for p, summed in zip(self.params, self.views, strict=True):
             if p.grad is None:
                 # Unused on this worker but maybe not on others: take the average anyway,
                 # so the replicas stay identical.
-                p.grad = averaged.clone()
-            else:
-                targets.append(p.grad)
-                averages.append(averaged)
-        if targets:
-            torch._foreach_copy_(targets, averages)
+                p.grad = torch.empty_like(summed)
+            targets.append(p.grad)
+            sums.append(summed)
+        # the sums into the gradients, divided there (the buffers are not read again: one
+        # pass over them less, which the simulator's hundreds of replicas notice)
+        torch._foreach_copy_(targets, sums)
+        torch._foreach_div_(targets, self.comm.world_size)
 
 
 class ThreadedBuckets(BackwardSchedule):
