@@ -69,3 +69,14 @@ def test_timing_only_needs_no_memory_for_the_model():
 def test_timing_only_refuses_measured_compute():
     with pytest.raises(ValueError, match="timing_only"):
         SimWorld(2, compute=ComputeModel(measured=True), timing_only=True)
+
+
+def test_the_sparse_allreduce_is_refused_with_its_reason():
+    """Its routing and the owners' choices depend on the values: sizes alone cannot time it."""
+    from gossamer.algorithms import AllReduce
+
+    algorithm = AllReduce(compression="dgc:ratio=0.01", aggregation="sparse_allreduce")
+    world = SimWorld(4, timing_only=True)
+    with pytest.raises(Exception, match="aggregation='sparse_allreduce' cannot be timed"):
+        world.run(step_worker, algorithm.resolve(4), _digits_mlp, warmup=0, steps=1,
+                  size_only=True)

@@ -161,6 +161,11 @@ def sparse_allreduce(comm: Communicator, payloads: Sequence[SparsePayload], targ
         raise ValueError(f"a bucket of {total} elements is too large for int32 positions "
                          f"(at most {MAX_NUMEL}); give a smaller bucket size")
     device = payloads[0].values.device
+    if device.type == "meta":
+        raise ValueError(
+            "aggregation='sparse_allreduce' cannot be timed from sizes alone (the timing-only "
+            "simulator, gossamer plan): which entries go to which owner, and how many the "
+            "owners keep, depends on the values; use the full simulator")
     wire_dtype = payloads[0].values.dtype
     for p in payloads[1:]:
         wire_dtype = torch.promote_types(wire_dtype, p.values.dtype)
