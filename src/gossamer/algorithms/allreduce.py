@@ -39,7 +39,7 @@ from gossamer.algorithms.nonfinite import (
     ranks_from_flags,
 )
 from gossamer.algorithms.overlap import CompressedBuckets, GradientBuckets
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, without_grad
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import (
     DGCMemory,
@@ -239,24 +239,17 @@ class AllReduceRuntime(Runtime):
         return False
 
     def after_backward(self) -> None:
-        # without autograd (torch's own switch: no_grad() costs a few us a step, which a
-        # small model's step in the simulator notices)
-        enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            if self.reducer is not None:
-                self._compressed()
-                return
-            assert self.gradients is not None
-            # averaged during backward already (overlap), or here; a worker with a non-finite
-            # gradient sent zeros and its bit, and then no worker's gradients were replaced
-            self.gradients.reduce(self.overflow)
-            self._found = self.gradients.found
-            if self._agree():
-                self.synchronizations += 1
-            self.gradients.new_step()
-        finally:
-            torch._C._set_grad_enabled(enabled)
+        without_grad(self._compressed if self.reducer is not None else self._dense)
+
+    def _dense(self) -> None:
+        assert self.gradients is not None
+        # averaged during backward already (overlap), or here; a worker with a non-finite
+        # gradient sent zeros and its bit, and then no worker's gradients were replaced
+        self.gradients.reduce(self.overflow)
+        self._found = self.gradients.found
+        if self._agree():
+            self.synchronizations += 1
+        self.gradients.new_step()
 
     def pause_gradient_sync(self, paused: bool) -> None:
         schedule = self.gradients or self.compressed

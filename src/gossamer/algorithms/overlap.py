@@ -44,7 +44,7 @@ from torch import nn
 
 from gossamer.algorithms.buckets import Buckets, layout
 from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite, set_flag
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, without_grad
 from gossamer.compress.reducer import CompressedReducer
 
 #: id(parameter) -> (the parameter, the BackwardSchedule whose hook it carries), both weakly
@@ -75,7 +75,7 @@ class CommThread:
 
     def submit(self, fn: Callable[..., object], *args: object) -> Future:
         """Run ``fn(*args)`` (without autograd) after the jobs submitted before."""
-        return self._executor.submit(_no_grad, fn, *args)
+        return self._executor.submit(without_grad, fn, *args)
 
     @staticmethod
     def wait(jobs: Sequence[Future]) -> None:
@@ -85,11 +85,6 @@ class CommThread:
         for error in errors:
             if error is not None:
                 raise error
-
-
-def _no_grad(fn: Callable[..., object], *args: object) -> object:
-    with torch.no_grad():  # the grad mode is per thread
-        return fn(*args)
 
 
 class BackwardSchedule:

@@ -61,6 +61,7 @@ from gossamer.comm.base import (
     check_group_ranks,
     check_rank,
     tensor_nbytes,
+    without_grad,
 )
 from gossamer.comm.faults import InjectedFault
 from gossamer.comm.network import ComputeModel, NetworkModel
@@ -754,12 +755,7 @@ class SimComm:
                 n, numel, esize, world.network, p.members), {}
 
         signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
-        enabled = torch.is_grad_enabled()  # no_grad(), at a quarter of its cost
-        torch._C._set_grad_enabled(False)
-        try:
-            self._world._collective(self, "all_reduce", tensor, signature, finish)
-        finally:
-            torch._C._set_grad_enabled(enabled)
+        without_grad(self._world._collective, self, "all_reduce", tensor, signature, finish)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
