@@ -60,6 +60,14 @@ class Algorithm(ABC):
         self.validate(world_size)
         return self
 
+    def for_members(self, world_size: int) -> Algorithm:
+        """This configuration as the members go on with after a membership change
+        (``on_failure="continue"``), resolved for their number: by default the same settings,
+        which must suit ``world_size`` (ValueError naming the argument otherwise). A method
+        whose settings are tied to the number of workers (WAGMA's groups) adapts them here,
+        alike on every member."""
+        return self.resolve(world_size)
+
     @abstractmethod
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -205,7 +205,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             try:
                 runtime.step = agreed
                 excluding(runtime.change_membership, comm,
-                          config.algorithm.resolve(comm.world_size))
+                          config.algorithm.for_members(comm.world_size))
                 runtime.before_forward()
                 if agreed == config.steps:
                     finish()
@@ -249,7 +249,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         excluding(share_state, comm, membership.source(), model, optimizer, runtime, step,
                   False)
         excluding(runtime.change_membership, comm,
-                  config.algorithm.resolve(comm.world_size))
+                  config.algorithm.for_members(comm.world_size))
 
     def one_step(done: int) -> float:
         """Step ``done`` (from 1): its update, then its end; the step's training loss."""

@@ -346,7 +346,9 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
             if restart and comm.rank == 0:
                 print(f"gossamer: restart {restart} of the worker group: resuming from "
                       f"{ckpt.checkpoint_candidates(config.run_dir)[0].name}", file=sys.stderr)
-            algorithm = config.algorithm.resolve(comm.world_size)
+            # (a rejoining worker takes the members' settings, adapted as theirs were)
+            algorithm = (config.algorithm.resolve if membership_start(membership)
+                         else config.algorithm.for_members)(comm.world_size)
             check_shards(config, dataset, comm.world_size)
             if config.run_dir and not config.resume and membership_start(membership):
                 if comm.rank == 0:
