@@ -133,7 +133,7 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 # one method of each row of the table, and the methods that go on
 ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "sparta", "demo",
         "wagma", "gossipgrad"]
-CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr", "diloco"]
+CONTINUING = ["sgp", "osgp", "dpsgd", "localsgd", "qsr", "diloco", "sparta", "demo"]
 
 
 @pytest.mark.parametrize("kind", ["crash", "hang"])
@@ -211,6 +211,31 @@ def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
     assert all(torch.equal(a, b) for a, b in zip(source[2] + source[3], joined[2] + joined[3],
                                                  strict=True))
     assert len(joined[3]) == 2 and not torch.equal(kept[2][0], source[2][0])
+
+
+@pytest.mark.parametrize("algorithm", ["sparta", "demo"])
+def test_sparta_and_demo_go_on_from_the_members_exact_average_each_with_its_own_state(algorithm):
+    def worker(comm):
+        torch.manual_seed(comm.rank)  # replicas that differ, as after a failure mid-step
+        model = torch.nn.Linear(3, 2)
+        optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        algorithm, comm, broadcast=False)
+        runtime = optimizer.runtime
+        before = [p.clone() for p in model.parameters()]
+        if algorithm == "demo":
+            for m in runtime.momentum.values():
+                m.fill_(comm.rank + 1.0)
+        runtime.change_membership(comm, gossamer.algorithms.lookup(algorithm)())
+        own = [m.clone() for m in getattr(runtime, "momentum", {}).values()]
+        return before, [p.clone() for p in model.parameters()], own, runtime.comm is comm
+
+    results = SimWorld(3).run(worker)
+    for i in range(2):  # every member holds the exact average of the members' parameters
+        mean = torch.stack([r[0][i] for r in results]).mean(0)
+        assert all(torch.allclose(r[1][i], mean, atol=1e-7, rtol=0) for r in results)
+    assert all(r[3] for r in results)
+    if algorithm == "demo":  # each keeps its own momentum
+        assert [float(r[2][0].flatten()[0]) for r in results] == [1.0, 2.0, 3.0]
 
 
 def test_the_launcher_reads_the_last_members_from_its_store():

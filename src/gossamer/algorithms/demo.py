@@ -87,6 +87,8 @@ class DeMo(Algorithm):
     """
 
     name: ClassVar[str] = "demo"
+    #: nothing in flight between steps; each worker's momentum is its own
+    continues_after_failure: ClassVar[bool] = True
     needs: ClassVar[str] = (
         "a learning rate for a sign step (every element moves by lr per step): with the MNIST "
         "CNN recipe's lr 0.05 it reaches 11.65%, with --lr 0.002 98.85% and --lr 0.005 "
@@ -259,6 +261,17 @@ class DeMoRuntime(Runtime):
             p.add_(transform.decode(averaged).sign(), alpha=-lr)
             p.grad = None  # the wrapped optimizer's step leaves this parameter alone
         self.synchronizations += 1
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """The members go on from their exact average (equal to each one's parameters unless
+        the failure came between two members' updates of a step), each with its own momentum:
+        a step's momentum is kept only once the step's all-gather succeeded, so a failed step
+        leaves it as it was; the dead worker's momentum is lost, as its residual would be in
+        any error-feedback method. Nothing else depends on the workers."""
+        assert isinstance(algorithm, DeMo)
+        self.comm, self.config = comm, algorithm
+        self.average_parameters()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),

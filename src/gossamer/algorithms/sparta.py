@@ -77,6 +77,8 @@ class SPARTA(Algorithm):
     """
 
     name: ClassVar[str] = "sparta"
+    #: the positions follow from the seed and the step alone, whatever the world size
+    continues_after_failure: ClassVar[bool] = True
 
     fraction: float = option(0.005, "p, the share of the parameters averaged after each step; "
                              "higher: more bytes, less drift between replicas")
@@ -162,6 +164,15 @@ class SPARTARuntime(Runtime):
                 offset += index.numel()
             self.values_averaged += offset
         self.sparse_averages += 1
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """The members go on from their exact average. Nothing is in flight (every averaging
+        is a blocking all-reduce) and the positions depend on the seed and the step only, so
+        the selections go on unchanged over the new members."""
+        assert isinstance(algorithm, SPARTA)
+        self.comm, self.config = comm, algorithm
+        self.average_parameters()
 
     def finish(self) -> None:
         self.settle()  # nothing is in flight: every averaging is a blocking all-reduce
