@@ -184,7 +184,7 @@ def test_table_a_slow_link_delays_but_never_fails(algorithm):
     assert slow["wall_clock"] >= fast["wall_clock"] and math.isfinite(slow["eval_loss"])
 
 
-@pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco"])
+@pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco", "sparta", "demo"])
 def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
     # rank 2 rejoins: it receives rank 0's model, optimizer state, algorithm state and step;
     # rank 1 keeps its own
