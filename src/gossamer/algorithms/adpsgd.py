@@ -24,6 +24,12 @@ complete without waiting; the request's send is known complete once the reply is
 With ``record=True`` the runtime keeps the order of its exchanges in ``events`` (for tests and
 the oracle in ``tests/oracles``).
 
+Under ``on_failure="continue"`` the survivors of a failure (and the members at a rejoin) drop
+the exchanges of the old communicator, pair again by their new ranks and start from their
+exact average (:meth:`ADPSGDRuntime.change_membership`). Nothing in a step waits for the dead
+worker: the survivors notice a failure at the latest at the training loop's next collective
+(the look for restarted workers, every 10 steps), and go on from the largest step among them.
+
 Reference: Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient
 Descent" (ICML 2018), Algorithm 1.
 """
@@ -36,6 +42,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.comm.base import Communicator, Handle
 from gossamer.topology import Topology
@@ -56,6 +63,7 @@ class ADPSGD(GossipAlgorithm):
 
     name: ClassVar[str] = "adpsgd"
     default_topology: ClassVar[str] = "bipartite_exponential"
+    continues_after_failure: ClassVar[bool] = True
 
     def check_topology(self, topology: Topology) -> None:
         topology.require_strongly_connected(arg="topology")
@@ -79,23 +87,31 @@ class ADPSGDRuntime(GossipRuntime):
     def __init__(self, config: ADPSGD, comm: Communicator, model: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(config, comm, model, optimizer)
-        topo, rank = self.topology, comm.rank
-        self.neighbors = sorted({j for k in range(topo.period) for j in topo.out_peers(rank, k)})
-        self.active = rank % 2 == 0
         # internal state
+        self.neighbors: list[int] = []  # the ranks this worker ever pairs with
+        self.active = True  # even rank: asks; odd rank: answers
         self.next_peer = 0  # active: round-robin position in neighbors
-        self.requests = {p: 0 for p in self.neighbors}  # sent (active) / answered (passive)
+        self.requests: dict[int, int] = {}  # by peer: sent (active) / answered (passive)
         # active: the request out (at most one), by peer: the parameters it carried and the
         # reply's receive
         self.outstanding: dict[int, tuple[torch.Tensor, Handle]] = {}
         self.posted: dict[int, Handle] = {}  # passive: the receive posted for each peer
         self.sending: list[Handle] = []  # sends not known to be complete yet
+        self._pair()
         # statistics
         self.averagings = 0  # pairwise averages this worker took part in
         #: (step, kind, peer, request number) per exchange, kind "request", "answer" or
         #: "take"; kept only when recording (set ``events = []``)
         self.events: list[tuple[int, str, int, int]] | None = None
         self._post_receives()
+
+    def _pair(self) -> None:
+        """This worker's role and neighbours in ``self.topology``; no request counted yet."""
+        topo, rank = self.topology, self.comm.rank
+        self.neighbors = sorted({j for k in range(topo.period) for j in topo.out_peers(rank, k)})
+        self.active = rank % 2 == 0
+        self.next_peer = 0
+        self.requests = {p: 0 for p in self.neighbors}
 
     def _like(self) -> torch.Tensor:
         return self.flat.buffers[0]
@@ -199,6 +215,37 @@ class ADPSGDRuntime(GossipRuntime):
         self.sending = []
         self.requests = {p: 0 for p in self.neighbors}
         if restart:
+            self._post_receives()
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """Go on over ``comm``: the exchanges of the old communicator are dropped, the pairs
+        are made again for the new ranks, and the members start from their exact average.
+
+        Nothing of the old communicator is waited on or applied later: a request still out
+        (its reply, if it comes, would answer parameters from before the failure), the
+        receives a passive worker posted, the sends not known complete. A pair's average
+        half done when the failure came (the passive worker averaged and replied, the active
+        worker never took the reply; or a request the dead worker never answered) is not
+        repaired: the exact average that follows makes every member equal anyway, and only
+        the dead worker's share of it is lost. Then the roles and neighbours follow the new
+        ranks (even: active, odd: passive; ``bipartite_exponential`` pairs them for any
+        number of workers), every pair's request count starts at zero on both sides and the
+        round robin at the first neighbour, and the passive workers post their receives over
+        ``comm``: a request on the new communicator is always answered by a peer that counts
+        it as the first one. At a rejoin the members settled over the old communicator
+        before, and the rejoining worker's runtime was made over ``comm``: its receives,
+        posted on ``comm`` and still empty, are kept (a second one per peer would swallow a
+        request).
+        """
+        if comm is not self.comm:  # the old communicator is dead: nothing on it is waited on
+            self.outstanding.clear()
+            self.posted = {}
+            self.sending = []
+            self.open = False
+        super().change_membership(comm, algorithm)  # the topology for the new size; average
+        self._pair()
+        if not self.open:
             self._post_receives()
 
     def state_dict(self) -> dict[str, Any]:

@@ -141,15 +141,24 @@ def bipartite_exponential(n: int) -> Topology:
     per step and uniform mixing: rank ``r``'s peer list is ``r + d_0, r - d_0, r + d_1, ...``,
     visited in order, one per step. Offsets past ``n / 2`` repeat earlier peers (n = 8:
     ``+5 = -3``), as there.
+
+    Odd n (AD-PSGD's survivors of a failure, say 3 of 4): the graph of ``n + 1`` ranks without
+    its last rank ``n`` (an odd one): the same offsets and period, taken mod ``n + 1``, and the
+    rank whose peer in a phase would be ``n`` keeps its whole value in that phase. Every edge
+    still joins an even and an odd rank (a shift mod an odd n would join two even ones), the
+    union of the phases stays symmetric and connected (the offsets +-1 make a path), and each
+    rank has at most one out- and one in-peer per phase. Such a phase is column-stochastic
+    (push-sum and AD-PSGD, which uses only its edges) but not doubly stochastic: the
+    numbers of even and odd ranks differ, so no phase can be a shift. n = 3: ranks 0 and 2
+    each talk to rank 1 only.
     """
     n = _check_n(n)
     if n == 1:
         return Topology("bipartite_exponential", 1, [[{0: 1.0}]])
-    if n % 2:
-        raise ValueError(f"n={n} must be even (or 1) for a bipartite exponential graph")
-    offsets = [1] + [(1 << i) + 1 for i in range(1, (n - 1).bit_length())]
+    m = n + n % 2  # the even graph this one is cut from (n itself when n is even)
+    offsets = [1] + [(1 << i) + 1 for i in range(1, (m - 1).bit_length())]
     phases = [
-        _uniform(n, ([(r + sign * d) % n] for r in range(n)))
+        _uniform(n, ([(r + sign * d) % m] if (r + sign * d) % m < n else [] for r in range(n)))
         for d in offsets
         for sign in (1, -1)
     ]
