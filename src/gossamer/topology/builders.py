@@ -3,7 +3,8 @@
 Unless stated otherwise a sender with ``k`` out-peers in a phase gives ``1 / (k + 1)`` to each
 out-peer and to itself, so every builder is column-stochastic (push-sum ready). Every registered
 builder is in fact doubly stochastic, because each node also receives from exactly as many
-peers as it sends to.
+peers as it sends to; the one exception is ``bipartite_exponential`` at an odd n, which is
+column-stochastic only (see there).
 """
 
 from __future__ import annotations
