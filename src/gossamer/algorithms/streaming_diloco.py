@@ -28,6 +28,11 @@ worker, at the precision's width. It starts at once and progresses at each of th
 hooks that finds the first exchange arrived, so on real processes the messages travel while
 the workers compute; the wait comes ``tau`` steps later.
 
+Under ``on_failure="continue"`` the members drop the exchange in flight (each one's
+quantisation error goes back to what it was before it), take rank 0's global parameters and
+outer optimizer, and make one exact outer step of every fragment over the new members; the
+schedule goes on from the step (see :meth:`StreamingDiLoCoRuntime.change_membership`).
+
 Example::
 
     inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
@@ -37,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +52,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import average_tensors
+from gossamer.algorithms.buckets import apply_flat
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
@@ -82,7 +89,7 @@ class StreamingDiLoCo(DiLoCo):
     """
 
     name: ClassVar[str] = "streaming-diloco"
-    continues_after_failure: ClassVar[bool] = False  # fragments in flight: not rebuilt yet
+    continues_after_failure: ClassVar[bool] = True
     #: its pseudo-gradients travel in ``precision``, not through a compressor
     takes_compression: ClassVar[bool] = False
 
@@ -172,7 +179,10 @@ class ScatteredMean:
         dtype = torch.float64 if exact else torch.float32
         padded = torch.zeros(n * self.chunk, dtype=dtype, device=vector.device)
         padded[: self.numel] = vector
-        padded += self._residual((key, "sent"), padded)
+        sent = self.residuals.get((key, "sent"))
+        if sent is not None and sent.dim() == 1 and sent.numel() <= padded.numel():
+            # (shorter: kept across a membership change without the old size's padding)
+            padded[: sent.numel()] += sent.to(padded)
         parts = padded.view(n, self.chunk)
         payloads = [codec.encode(part) for part in parts]
         decoded = torch.stack([codec.decode(p, self.chunk) for p in payloads]) if n else parts
@@ -243,6 +253,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         self.codec = LowBit(config.precision)
         self.residuals: dict[Any, torch.Tensor] = {}  # this worker's encoding errors
         self.in_flight: tuple[int, ScatteredMean] | None = None  # (fragment, its mean)
+        self.sent_before: torch.Tensor | None = None  # its error before the exchange in flight
         self.fragment_syncs = [0] * config.fragments  # statistics: outer steps per fragment
 
     def _schedule(self, step: int) -> tuple[int, int]:
@@ -285,11 +296,28 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         deltas = self.outer.pseudo_gradients(indices)
         vector = (torch.cat([d.reshape(-1) for d in deltas]) if deltas
                   else torch.zeros(0))
-        self.in_flight = (fragment, ScatteredMean(self.across, vector, self.codec,
-                                                  self.residuals, fragment))
+        # the error kept before this exchange: what this worker still owes if it is dropped
+        self.sent_before = self.residuals.get((fragment, "sent"))
+        try:
+            self.in_flight = (fragment, ScatteredMean(self.across, vector, self.codec,
+                                                      self.residuals, fragment))
+        except BaseException:  # (a send that failed at once: nothing of it is in flight)
+            self._restore_sent(fragment)
+            raise
+
+    def _restore_sent(self, fragment: int) -> None:
+        """The fragment's error as before its last exchange (which will never be applied)."""
+        if self.sent_before is None:
+            self.residuals.pop((fragment, "sent"), None)
+        else:
+            self.residuals[(fragment, "sent")] = self.sent_before
 
     def _perform(self, fragment: int) -> None:
-        assert self.in_flight is not None and self.in_flight[0] == fragment
+        if self.in_flight is None:
+            # taken in early, by settle() or a membership change (which synchronised every
+            # fragment at once since): nothing to synchronise at its scheduled end
+            return
+        assert self.in_flight[0] == fragment
         mean = self.in_flight[1].wait()
         self.in_flight = None
         indices = self.fragment_indices[fragment]
@@ -336,16 +364,105 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         self.synchronizations += 1
         self.last_averaged = self.step
 
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Any) -> None:
+        """Go on over the members of ``comm`` (``on_failure="continue"``; ``group_size``
+        must divide their number).
+
+        1. The fragment's exchange in flight is dropped, never waited on: its messages
+           travel over the old communicator, whose members are no longer those that must
+           answer. Each member's quantisation error of that fragment goes back to what it
+           was before the exchange (what it sent will never be applied), and the errors of
+           the means each member kept for its chunk (chunks of the old ranks) are dropped;
+           the errors of its own pseudo-gradients are kept, without the old size's padding.
+        2. The groups are rebuilt for the new members, and the global parameters and the
+           outer optimizer's state of the member of rank 0 are sent to every member (a
+           failure in the middle of an exchange may have let some members take in a
+           fragment's outer step that the others did not).
+        3. An outer step of every fragment at once over the members, exact (unquantised,
+           ``mixing`` 0), as :meth:`average_parameters`: each fragment's pseudo-gradient
+           since its last synchronisation reaches the global parameters as it would have at
+           its own synchronisation, and every member continues from the same global
+           parameters. During the warm-up (``warmup_steps``): a plain exact average.
+
+        The fragments' schedule goes on from the step: a fragment whose exchange was dropped
+        is not synchronised at its scheduled end (the outer step above took it in); the next
+        starts at its usual step. The dead worker's share of the dropped exchange is lost. A
+        worker that rejoins has received a member's state without its errors
+        (:meth:`load_state_dict`): it starts with none.
+        """
+        if self.in_flight is not None:
+            self._restore_sent(self.in_flight[0])
+            self.in_flight = None
+        self.sent_before = None
+        fragment_sizes = [sum(self.trained[i].numel() for i in indices)
+                          for indices in self.fragment_indices]
+        kept = {}
+        for (fragment, kind), error in self.residuals.items():
+            if kind == "sent" and error.numel() >= fragment_sizes[fragment]:
+                kept[(fragment, kind)] = error[: fragment_sizes[fragment]].clone()
+        self.residuals = kept
+        algorithm.validate(comm.world_size)
+        self.comm = comm
+        self._connect(comm)
+        if self.inner is not None:
+            self.inner.start(nonfinite=self.nonfinite)
+        self._share_outer(comm)
+        if self.step < self.config.warmup_steps:
+            if not all_finite(self.trained):
+                raise self.nonfinite_error("parameters")
+            self.outer.warm_up(self.across)
+            if self.config.average_buffers:
+                average_tensors(comm, [b for b in self.model.buffers()
+                                       if torch.is_floating_point(b)])
+            self.synchronizations += 1
+        else:
+            self.average_parameters()
+        self.last_averaged = self.step - 1
+
+    def _share_outer(self, comm: Communicator) -> None:
+        """The global parameters and the outer optimizer's state of the member of rank 0,
+        on every member (their structure as JSON in a byte tensor, then their tensors; a
+        fragment never synchronised has no outer state yet). Collective."""
+        from gossamer.train.elastic import decode, encode  # (gossamer.train imports this)
+
+        device = getattr(comm, "device", None)
+        tensors: list[torch.Tensor] = []
+        text = json.dumps(encode(self.outer.state_dict(), tensors)).encode() \
+            if comm.rank == 0 else b""
+        length = torch.tensor([len(text)], dtype=torch.int64, device=device)
+        comm.broadcast(length, 0)
+        data = torch.zeros(int(length), dtype=torch.uint8, device=device)
+        if comm.rank == 0:
+            data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(data.device))
+        comm.broadcast(data, 0)
+        skeleton = json.loads(bytes(data.cpu().tolist()).decode())
+        if comm.rank != 0:
+            tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                       for shape, dtype in skeleton["tensors"]]
+        apply_flat(tensors, lambda buffer: comm.broadcast(buffer, 0))
+        if comm.rank != 0:
+            self.outer.load_state_dict(decode(skeleton["state"], tensors))
+
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight is not None:
             raise RuntimeError("streaming-diloco: a fragment's exchange is in flight; save "
                                "after a fragment's synchronisation or after finish()")
         return {**super().state_dict(), "fragment_syncs": list(self.fragment_syncs),
                 "residuals": [[list(k), v.clone()] for k, v in sorted(
-                    self.residuals.items(), key=lambda item: repr(item[0]))]}
+                    self.residuals.items(), key=lambda item: repr(item[0]))],
+                # whose errors these are: a worker's rank and the number of workers
+                "residuals_of": [self.comm.rank, self.comm.world_size]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Also each worker's quantisation errors, when the state is its own (saved at the
+        same rank of as many workers): a worker that rejoins receives a member's state, and
+        starts with no errors of its own instead of that member's."""
         super().load_state_dict(state)
         self.fragment_syncs = [int(x) for x in state["fragment_syncs"]]
-        self.residuals = {(int(k[0]), str(k[1])): v.clone() for k, v in state["residuals"]}
+        owner = state.get("residuals_of")
+        own = owner is None or [int(x) for x in owner] == [self.comm.rank,
+                                                           self.comm.world_size]
+        self.residuals = ({(int(k[0]), str(k[1])): v.clone() for k, v in state["residuals"]}
+                          if own else {})
 
