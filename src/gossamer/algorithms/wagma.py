@@ -41,6 +41,12 @@ code polls non-blocking receives, so a fast worker never waits for a slow one wi
 staleness bound. A runtime whose ``events`` is set to a list records there, per round, the round
 stamps of the models it averaged (for tests and the oracle in ``tests/oracles``).
 
+Going on without a failed worker (``on_failure="continue"``, see
+:meth:`WAGMA.for_members` and :meth:`WAGMARuntime.change_membership`): the groups are rebuilt
+for the members, with the largest group size not above the configured one that divides their
+number; what was in flight over the old communicator is dropped; the members agree on the
+round (the largest any of them reached) and start from their exact average.
+
 Reference: Li, Ben-Nun, Nadiradze, Di Girolamo, Dryden, Alistarh, Hoefler, "Breaking (Global)
 Barriers in Parallel Stochastic Optimization with Wait-Avoiding Group Averaging" (IEEE TPDS
 2021).
@@ -54,6 +60,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -62,10 +69,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, Handle
 from gossamer.options import option
+from gossamer.topology import Topology
 
 # message kinds (the second of the three int64 values after the parameters)
 _DATA = 0  # a model published for a round
@@ -81,6 +90,8 @@ class WAGMA(GossipAlgorithm):
 
     Args:
         group_size: g, workers per group (default 4); must divide the number of workers.
+            After a membership change the members go on with the largest divisor of their
+            number not above g (see :meth:`for_members`).
         tau: the staleness bound in rounds (default 1): a member's contribution is at most
             this many rounds old. 0: synchronous group averaging (every member waits for the
             others' parameters of the same round).
@@ -93,6 +104,7 @@ class WAGMA(GossipAlgorithm):
 
     name: ClassVar[str] = "wagma"
     default_topology: ClassVar[str] = "butterfly_groups"
+    continues_after_failure: ClassVar[bool] = True
 
     group_size: int = option(4, "higher: groups average more workers, more bytes per round")
     tau: int = option(1, "higher: hides slower stragglers, staler contributions")
@@ -111,10 +123,53 @@ class WAGMA(GossipAlgorithm):
             raise ValueError(f"group_size={self.group_size} does not divide the number of "
                              f"workers {world_size}")
 
+    def for_members(self, world_size: int) -> WAGMA:
+        """This configuration for ``world_size`` members after a membership change: the
+        same settings with the group size :func:`member_group_size` gives (``group_size``
+        itself where it divides ``world_size``; else the largest divisor of ``world_size``
+        not above it, 2 at least, so that the bytes per round and the members waited for
+        stay within what was configured; a prime number of members larger than
+        ``group_size`` has no such divisor and forms one group of all). Depends on the
+        configured options and ``world_size`` only, so every member gets the same; a later
+        change starts again from the configured ``group_size`` (a worker that rejoins brings
+        the groups back). A topology given as an object was built for one number of
+        workers and cannot be adapted: a ValueError naming it unless it suits
+        ``world_size``."""
+        if isinstance(self.topology, Topology):
+            if self.topology.world_size != world_size:
+                raise ValueError(
+                    f"topology: the Topology object {self.topology.name!r} was built for "
+                    f"{self.topology.world_size} workers and cannot be adapted to the "
+                    f"{world_size} members that go on (on_failure='continue'); give the "
+                    "topology by name (e.g. 'butterfly_groups') so that its groups are "
+                    "rebuilt for the members")
+            return self.resolve(world_size)
+        size = member_group_size(self.group_size, world_size)
+        adapted = self if size == self.group_size else dataclasses.replace(self, group_size=size)
+        return adapted.resolve(world_size)
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> WAGMARuntime:
         self.validate(comm.world_size)
         return WAGMARuntime(self, comm, model, optimizer)
+
+
+def member_group_size(group_size: int, world_size: int) -> int:
+    """The group size ``world_size`` members go on with when ``group_size`` was configured:
+    ``group_size`` where it divides ``world_size``; else the largest divisor of
+    ``world_size`` from 2 to ``group_size``; else (no divisor that small: ``world_size`` is a
+    prime above ``group_size``) its smallest divisor above ``group_size``, which for a prime
+    is ``world_size`` itself: one group of all; 1 for a single worker. Group size 1 (no
+    averaging between the exact ones) is never chosen for more than one worker: the groups
+    of every round would then never connect the workers. Examples with ``group_size=4``:
+    3 members -> 3, 6 -> 3, 7 -> 7, 15 -> 3."""
+    if world_size % group_size == 0:
+        return group_size
+    below = [d for d in range(2, min(group_size, world_size) + 1) if world_size % d == 0]
+    if below:
+        return max(below)
+    return min((d for d in range(group_size + 1, world_size + 1) if world_size % d == 0),
+               default=1)
 
 
 class WAGMARuntime(GossipRuntime):
@@ -125,10 +180,8 @@ class WAGMARuntime(GossipRuntime):
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(config, comm, model, optimizer)
         self.config: WAGMA = config
-        topo, rank = self.topology, comm.rank
         #: every worker this one is grouped with in some round
-        self.partners = sorted({j for p in range(topo.period) for j in self._group_of(p)}
-                               - {rank})
+        self.partners = self._partners()
         flat = self.flat.buffers[0]
         self._dtype, self._numel = flat.dtype, flat.numel()
         self._like = torch.empty(self._numel * flat.element_size() + _TRAILER,
@@ -170,6 +223,11 @@ class WAGMARuntime(GossipRuntime):
         return self.config.tau > 0 and self.comm.world_size > 1
 
     # ---- the schedule
+    def _partners(self) -> list[int]:
+        """Every worker this one is grouped with in some round of the topology."""
+        period = self.topology.period
+        return sorted({j for p in range(period) for j in self._group_of(p)} - {self.comm.rank})
+
     def _group_of(self, round_: int) -> list[int]:
         rank = self.comm.rank
         return next(g for g in self.topology.groups(round_) if rank in g)
@@ -437,6 +495,55 @@ class WAGMARuntime(GossipRuntime):
     def before_eval(self) -> None:
         self.pause()
         super().before_eval()
+
+    # ---- a membership change (on_failure="continue")
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """Go on over ``comm`` with ``algorithm`` (``WAGMA.for_members``: the groups for the
+        new number of members). Collective over ``comm``.
+
+        1. What was in flight over the old communicator is dropped, never waited for: the
+           receives posted there, the sends not known complete, the models partners
+           published (their ranks were the old ones), the pauses. A failure may have come in
+           the middle of a round: nothing of it is settled, since settling would wait for
+           the dead worker; the dead worker's models, and those of live partners not taken
+           yet, are lost (the exact average below makes up for them).
+        2. The topology is rebuilt for the new ranks, and the members average exactly
+           (parameters and floating-point buffers).
+        3. The members agree on the round: the largest any of them reached (an all-gather
+           of one integer), so that the group of each round and the exact average every
+           ``allreduce_every`` rounds stay the same on every member, and no member's round
+           goes back (a member behind skips to it, as it would to catch up).
+        4. Each member knows every partner's model for that round: the average it holds
+           itself. So the next round's group average needs no message (it gives the average
+           back), and the rounds after it go on as usual; receives are posted anew over
+           ``comm``.
+
+        A worker that rejoins binds its runtime over ``comm`` itself, which posts its
+        receives there: they are kept (nothing has been sent to it yet), not posted twice.
+        Statistics (rounds, waits, ages) are kept."""
+        assert isinstance(algorithm, WAGMA)
+        rebound = comm is self.comm and self.open  # receives posted over comm already
+        if not rebound:  # dropped: never waited for (the old communicator is dead)
+            self.posted, self.outbox = {}, {}
+            self.sent, self.taken, self.acked = {}, {}, {}
+            self.open = False
+        super().change_membership(comm, algorithm)  # topology, then the exact average
+        self.config = algorithm
+        device = self.flat.buffers[0].device
+        rounds = comm.all_gather(torch.tensor([self.round], dtype=torch.int64, device=device))
+        self.round = max(int(r.reshape(-1)[0]) for r in rounds)
+        self.partners = self._partners()
+        self.window = algorithm.tau + 1
+        x = self.read_parameters()
+        self.models = {m: {self.round: (self.round, x)} for m in self.partners}
+        self.held.clear()
+        self._waited = False
+        if self.asynchronous and not rebound:
+            self._post_receives()
+        elif rebound and sorted(self.posted) != self.partners:
+            raise ValueError(f"{algorithm.name}: the receives posted over the members' "
+                             "communicator are for other partners than its groups give")
 
     def state_dict(self) -> dict[str, Any]:
         self.settle(restart=True)  # nothing in flight: the state is what this worker holds
