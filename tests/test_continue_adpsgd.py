@@ -142,8 +142,8 @@ def _rejoin(comm, steps_after: int):
         optimizer.runtime.settle()
         optimizer.runtime.average_parameters()
         new = old.regroup(comm.rank, (0, 1, 2, 3), "epoch-2")  # (rank = id: all four)
-    else:  # restarted: its runtime is made over the new communicator
-        new = comm
+    else:  # restarted: its runtime is made over the new communicator (the same epoch's)
+        new = comm.regroup(comm.rank, (0, 1, 2, 3), "epoch-2")
         optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1,
                                                                momentum=0.9),
                                         ADPSGD().for_members(4), new, broadcast=False)

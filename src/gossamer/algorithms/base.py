@@ -184,6 +184,13 @@ class Runtime:
     def before_eval(self) -> None:
         """Called (on every worker) before the training loop evaluates."""
 
+    def pause(self) -> None:
+        """Bring this worker's exchanges to a halt before a collective that the training loop
+        makes after the same step on every worker (the look for restarted workers under
+        ``on_failure="continue"``), where a worker that is rounds ahead or behind could
+        otherwise wait for a partner inside that collective. Collective where the method needs
+        it (WAGMA); nothing for the others."""
+
     def settle(self) -> None:
         """Take in every message in flight, so that nothing is lost and step-indexed
         collectives may follow (an asynchronous method's rounds stop). Collective where the

@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -242,7 +242,7 @@ class SimWorld:
         self._pending: dict[tuple[int, int], _Pending] = {}
         # members -> a small id: collectives are keyed by it, not by the members' tuple, whose
         # hash costs as much as its length (10,000 workers: 50 us per collective per worker)
-        self._groups: dict[tuple[int, ...], int] = {}
+        self._groups: dict[Hashable, int] = {}  # by members (and epoch)
         self._inbox: dict[tuple[int, int], deque[tuple[torch.Tensor, float]]] = defaultdict(deque)
         self._posted: dict[tuple[int, int], deque[_Slot]] = defaultdict(deque)
         self._hub = greenlet.getcurrent()
@@ -668,11 +668,18 @@ class _SimHandle:
 class SimComm:
     """One simulated worker's communicator (over the whole world or a subgroup of it)."""
 
-    def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...]) -> None:
+    def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...],
+                 epoch: str | None = None) -> None:
         self._world = world
         self._worker = worker
         self._members = members
-        self._group = world._groups.setdefault(members, len(world._groups))
+        # ``epoch``: the membership this communicator belongs to (None: the run's first). Its
+        # collectives are matched apart from those of the same members in another epoch, as
+        # a new process group's are on real processes: a member that missed a collective of
+        # an earlier epoch is not matched against it.
+        self._epoch = epoch
+        key = members if epoch is None else (members, epoch)
+        self._group = world._groups.setdefault(key, len(world._groups))
         self._index = {g: i for i, g in enumerate(members)}
         self._rank = self._index[worker.rank]
         self._stats = worker.stats if len(members) == world.world_size and members == tuple(
@@ -848,7 +855,8 @@ class SimComm:
         ranks = check_group_ranks(ranks, self.world_size)
         if self._rank not in ranks:
             raise ValueError(f"ranks {list(ranks)} do not include this worker's rank {self._rank}")
-        return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks))
+        return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks),
+                       self._epoch)
 
     # ---- membership changes (gossamer.comm.membership)
     @property
@@ -879,7 +887,7 @@ class SimComm:
             del world._inbox[key]
         for key in [k for k in world._posted if k[1] == me]:
             del world._posted[key]
-        return SimComm(world, self._worker, tuple(members))
+        return SimComm(world, self._worker, tuple(members), name)
 
     # ---- time
     def clock(self) -> float:

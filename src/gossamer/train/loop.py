@@ -237,6 +237,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         """Let the restarted workers that wait to rejoin in, after ``step``: the members
         average exactly, then one of them gives its state to every worker."""
         assert membership is not None
+        excluding(runtime.pause)  # (WAGMA: no worker waits for a partner inside the look)
         ids = excluding(membership.waiting, step)
         if not ids:
             return
