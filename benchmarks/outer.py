@@ -82,6 +82,11 @@ def result_row(name: str, seed: int, metrics, reference: dict[str, Any], target:
     return row
 
 
+def _batch_tag(args: argparse.Namespace) -> str:
+    """"-b64" in the names of the runs and results with ``--batch-size 64``; "" otherwise."""
+    return f"-b{args.batch_size}" if args.batch_size else ""
+
+
 def run(args: argparse.Namespace, results: Results) -> int:
     from gossamer.train.compare import run_compare
 
@@ -89,13 +94,14 @@ def run(args: argparse.Namespace, results: Results) -> int:
         torch.set_num_threads(args.threads)
     base = recipe_config("shakespeare-char-qsr.yaml", args.data / "tinyshakespeare.txt",
                          steps=args.steps or None, eval_every=args.eval_every,
+                         **({"batch_size": args.batch_size} if args.batch_size else {}),
                          eval_workers=False, quiet=False)
     names = entries(base.warmup_steps, args.methods)
     if args.emulate:
         return emulated(args, base, names, results)
     rows = []
     for seed in args.seeds:
-        out = results.folder / f"outer-text-seed{seed}"
+        out = results.folder / f"outer-text{_batch_tag(args)}-seed{seed}"
         config = base.replace(seed=seed)
         if args.reuse and finished(out, names, config):
             print(f"seed {seed}: reusing the finished runs in {out}")
@@ -109,8 +115,9 @@ def run(args: argparse.Namespace, results: Results) -> int:
         for name, metrics in runs.items():
             rows.append(result_row(name, seed, metrics, reference, target, base.warmup_steps))
     print_table(rows)
-    results.write("outer_text", {"config": base.as_dict(), "seeds": args.seeds,
-                                 "margin": args.margin, "rows": rows})
+    name = "outer_text" + _batch_tag(args).replace("-", "_")
+    results.write(name, {"config": base.as_dict(), "seeds": args.seeds, "margin": args.margin,
+                         "rows": rows})
     return 0
 
 
@@ -127,7 +134,7 @@ def emulated(args: argparse.Namespace, base, names: list[str], results: Results)
 
     rows = []
     for seed in args.seeds:
-        out = results.folder / f"outer-text-{args.emulate}-seed{seed}"
+        out = results.folder / f"outer-text{_batch_tag(args)}-{args.emulate}-seed{seed}"
         out.mkdir(parents=True, exist_ok=True)
         target = None
         for name in names:
@@ -190,6 +197,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare entries (default: the issue's set, see ENTRIES)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's steps")
     parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override the recipe's batch per worker (16)")
     parser.add_argument("--margin", type=float, default=0.05,
                         help="the target loss is AllReduce's final loss plus this")
     parser.add_argument("--reuse", action="store_true",
