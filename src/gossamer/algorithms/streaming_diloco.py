@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,11 +51,11 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import average_tensors
-from gossamer.algorithms.buckets import apply_flat
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.state import broadcast_object
 from gossamer.compress.lowbit import PRECISIONS, LowBit
 from gossamer.options import option
 
@@ -422,27 +421,11 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
 
     def _share_outer(self, comm: Communicator) -> None:
         """The global parameters and the outer optimizer's state of the member of rank 0,
-        on every member (their structure as JSON in a byte tensor, then their tensors; a
-        fragment never synchronised has no outer state yet). Collective."""
-        from gossamer.train.elastic import decode, encode  # (gossamer.train imports this)
-
-        device = getattr(comm, "device", None)
-        tensors: list[torch.Tensor] = []
-        text = json.dumps(encode(self.outer.state_dict(), tensors)).encode() \
-            if comm.rank == 0 else b""
-        length = torch.tensor([len(text)], dtype=torch.int64, device=device)
-        comm.broadcast(length, 0)
-        data = torch.zeros(int(length), dtype=torch.uint8, device=device)
-        if comm.rank == 0:
-            data.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8).to(data.device))
-        comm.broadcast(data, 0)
-        skeleton = json.loads(bytes(data.cpu().tolist()).decode())
+        on every member (a fragment never synchronised has no outer state yet).
+        Collective."""
+        state = broadcast_object(comm, 0, self.outer.state_dict() if comm.rank == 0 else None)
         if comm.rank != 0:
-            tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                       for shape, dtype in skeleton["tensors"]]
-        apply_flat(tensors, lambda buffer: comm.broadcast(buffer, 0))
-        if comm.rank != 0:
-            self.outer.load_state_dict(decode(skeleton["state"], tensors))
+            self.outer.load_state_dict(state)
 
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight is not None:
