@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import gossamer
+from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.cli import main
 from gossamer.comm import CommError, SimulationError, SimWorld
 from gossamer.comm.faults import InjectedFault
@@ -51,7 +52,7 @@ def _tiny(algorithm: str, *faults: str, **settings) -> dict:
 # --------------------------------------------------------------- methods that cannot go on
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "dgc", "powersgd", "gossipgrad"])
+@pytest.mark.parametrize("algorithm", ["allreduce", "dgc", "powersgd"])
 def test_methods_that_cannot_continue_say_so_naming_the_flag_and_method(algorithm):
     with pytest.raises(ValueError) as error:
         TrainConfig(algorithm=algorithm, on_failure="continue")
@@ -99,6 +100,52 @@ def test_real_processes_not_started_by_gossamer_launch_are_refused(monkeypatch, 
 def test_a_group_size_that_does_not_divide_the_survivors_is_an_error_naming_it():
     with pytest.raises(SimulationError, match="group_size=2 does not divide the 3 workers"):
         _tiny("diloco", "1:3:crash", on_failure="continue", options={"group_size": 2})
+    with pytest.raises(SimulationError, match="local_group_size=2 does not divide"):
+        _tiny("gossipgrad", "1:3:crash", on_failure="continue", options={"local_group_size": 2})
+    with pytest.raises(SimulationError, match="topology='cube' needs a power-of-two"):
+        _tiny("gossipgrad", "1:3:crash", on_failure="continue", options={"topology": "cube"})
+
+
+def test_gossipgrad_goes_on_with_the_survivors_partners_and_empty_memories():
+    def worker(comm):
+        torch.manual_seed(comm.rank)
+        model = torch.nn.Linear(3, 2)
+        optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        GossipGraD(compression="topk:ratio=0.5"), comm,
+                                        broadcast=False)
+        model(torch.ones(1, 3) * comm.rank).sum().backward()
+        optimizer.step()  # a step: the error-feedback memories hold something
+        runtime = optimizer.runtime
+        before = [p.clone() for p in model.parameters()]
+        members = comm.regroup([0, 2, 3].index(comm.rank), (0, 2, 3), "test/1") \
+            if comm.rank != 1 else None
+        if members is None:
+            return None
+        runtime.change_membership(members, runtime.config.for_members(3))
+        memory = runtime.memory.state_dict()
+        return (before, [p.clone() for p in model.parameters()], memory,
+                runtime.gossip.partner_ranks(0), runtime.comm is members)
+
+    results = [r for r in SimWorld(4).run(worker) if r is not None]
+    for i in range(2):  # the exact average of the survivors
+        mean = torch.stack([r[0][i] for r in results]).mean(0)
+        assert all(torch.allclose(r[1][i], mean, atol=1e-7, rtol=0) for r in results)
+    assert all(r[4] for r in results)
+    # dissemination over 3 nodes: rank r sends to r + 1 and receives from r - 1 (mod 3)
+    sends = sorted(r[3][0] for r in results)
+    assert sends == [0, 1, 2]
+    assert all(not any(torch.count_nonzero(t) for t in _tensors(r[2])) for r in results)
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """Every tensor in a state (dicts and lists of them)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
 
 
 # ------------------------------------------------------------------------- the simulator
@@ -133,7 +180,7 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "sparta", "demo",
         "wagma", "gossipgrad"]
 CONTINUING = ["sgp", "osgp", "dpsgd", "adpsgd", "localsgd", "qsr", "diloco",
-              "streaming-diloco", "sparta", "demo", "wagma"]
+              "streaming-diloco", "sparta", "demo", "wagma", "gossipgrad"]
 
 
 @pytest.mark.parametrize("kind", ["crash", "hang"])
@@ -184,7 +231,8 @@ def test_table_a_slow_link_delays_but_never_fails(algorithm):
     assert slow["wall_clock"] >= fast["wall_clock"] and math.isfinite(slow["eval_loss"])
 
 
-@pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco", "sparta", "demo"])
+@pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco", "sparta", "demo",
+                                       "gossipgrad"])
 def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
     # rank 2 rejoins: it receives rank 0's model, optimizer state, algorithm state and step;
     # rank 1 keeps its own
@@ -312,11 +360,12 @@ def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.gloo
-@pytest.mark.parametrize("algorithm", ["streaming-diloco", "adpsgd", "wagma"])
+@pytest.mark.parametrize("algorithm", ["streaming-diloco", "adpsgd", "wagma", "gossipgrad"])
 def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simulator(
         algorithm, tmp_path, capsys):
     # the methods whose exchanges are in flight when a worker dies: a fragment's exchange
-    # (Streaming DiLoCo), pairwise requests (AD-PSGD), rounds with bounded staleness (WAGMA)
+    # (Streaming DiLoCo), pairwise requests (AD-PSGD), rounds with bounded staleness (WAGMA),
+    # a partner's gradients exchanged during backward on a communication thread (GossipGraD)
     out, steps, crash = tmp_path / "result.json", 40, "2:20:crash"
     code = launch(["--algorithm", algorithm, "--steps", str(steps), "--eval-every", str(steps),
                    "--quiet", "--fault", crash, "--on-failure", "continue", "--timeout", "3",

@@ -51,7 +51,12 @@ from torch import nn
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets, apply_flat
-from gossamer.algorithms.overlap import FIRST_BUCKET_BYTES, ThreadedBuckets, overlaps
+from gossamer.algorithms.overlap import (
+    FIRST_BUCKET_BYTES,
+    CommThread,
+    ThreadedBuckets,
+    overlaps,
+)
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, value_dtype
@@ -296,6 +301,8 @@ class GossipGraD(Algorithm):
     """
 
     name: ClassVar[str] = "gossipgrad"
+    #: the partner schedule follows from the number of nodes and the step alone
+    continues_after_failure: ClassVar[bool] = True
     needs: ClassVar[str] = (
         "allreduce_every=10 (an exact parameter average every 10 steps) for the MNIST CNN: "
         "with its defaults the replicas drift apart (consensus distance 54) and their average "
@@ -355,6 +362,15 @@ class GossipGraDRuntime(ExactAverages, Runtime):
         self.config = config
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
+        self._connect(comm)
+        # DDP's buckets: reverse registration order, which every worker must share
+        self.exchange = GossipBuckets(self, list(reversed(named)),
+                                      int(config.bucket_mb * 2**20), overlap=config.overlap)
+
+    def _connect(self, comm: Communicator) -> None:
+        """The local group, the partner schedule and the compressor for ``comm``'s workers
+        (a memory empty)."""
+        config = self.config
         self.gossip = GradientGossip(comm, topology=config.topology,
                                      local_group_size=config.local_group_size,
                                      seed=config.seed, shuffle=config.shuffle)
@@ -366,9 +382,26 @@ class GossipGraDRuntime(ExactAverages, Runtime):
             # the members of a node compress the same mean: the same draws and memory
             self.compressor = compressor.for_worker(self.gossip.node)
             self.memory = memory.fresh() if memory is not None else None
-        # DDP's buckets: reverse registration order, which every worker must share
-        self.exchange = GossipBuckets(self, list(reversed(named)),
-                                      int(config.bucket_mb * 2**20), overlap=config.overlap)
+
+    @torch.no_grad()
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """Go on over ``comm`` (``local_group_size`` must divide the members, and ``cube``
+        needs a power of two of nodes: an error naming them otherwise). The step's exchange
+        over the old communicator is dropped, never waited on (its communication thread is
+        replaced: a job still blocked there fails within the timeout, alone); the local
+        groups, the partner schedule (a function of the number of nodes and the step) and the
+        compressor are rebuilt for the new ranks, with empty error-feedback memories (the
+        members of a node must hold the same one); then the members' exact average."""
+        assert isinstance(algorithm, GossipGraD)
+        algorithm.validate(comm.world_size)
+        exchange = self.exchange
+        exchange._jobs = []
+        if exchange.thread is not None:
+            exchange.thread = CommThread()
+        exchange.new_step()
+        self.comm, self.config = comm, algorithm
+        self._connect(comm)
+        self.average_parameters()
 
     def check_gradients(self) -> None:
         """Nothing here: after_backward checks the flat copy it sends."""

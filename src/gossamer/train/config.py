@@ -122,8 +122,8 @@ class TrainConfig:
     nonfinite: str = option("raise", "a NaN/inf gradient or parameter: raise (stop), or skip "
                             "(that update)")
     on_failure: str = option("stop", "a worker fails: stop (every worker exits), or continue "
-                             "(the others go on without it: the gossip, local and outer "
-                             "methods, WAGMA; simulated or under gossamer launch)")
+                             "(the others go on without it: every method but AllReduce and "
+                             "the compressed all-reduces; simulated or under gossamer launch)")
     quiet: bool = option(False, "no progress bar, summary only")
 
     def __post_init__(self, options: Mapping[str, Any] | None, compressor: Any) -> None:
