@@ -24,6 +24,7 @@ from gossamer.comm import CommError, SimulationError, SimWorld
 from gossamer.comm.faults import InjectedFault
 from gossamer.comm.membership import last_members
 from gossamer.launch import launch
+from gossamer.testing import state_tensors
 from gossamer.train.config import TrainConfig
 from gossamer.train.elastic import decode, encode, share_state
 from gossamer.train.run import run_training
@@ -134,18 +135,8 @@ def test_gossipgrad_goes_on_with_the_survivors_partners_and_empty_memories():
     # dissemination over 3 nodes: rank r sends to r + 1 and receives from r - 1 (mod 3)
     sends = sorted(r[3][0] for r in results)
     assert sends == [0, 1, 2]
-    assert all(not any(torch.count_nonzero(t) for t in _tensors(r[2])) for r in results)
+    assert all(not any(torch.count_nonzero(t) for t in state_tensors(r[2])) for r in results)
 
-
-def _tensors(state) -> list[torch.Tensor]:
-    """Every tensor in a state (dicts and lists of them)."""
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return []
 
 
 # ------------------------------------------------------------------------- the simulator

@@ -36,7 +36,7 @@ from gossamer.comm.faults import (
 )
 from gossamer.comm.sim import SimulationError
 from gossamer.compress import ErrorFeedback
-from gossamer.testing import free_port, spawn_gloo
+from gossamer.testing import free_port, spawn_gloo, state_tensors
 from gossamer.train.config import TrainConfig, load_recipe
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -266,15 +266,6 @@ class Watching:
         return Watching(self._comm.group(ranks), self.seen)
 
 
-def _state_tensors(state) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _state_tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _state_tensors(v)]
-    return []
-
 
 def nan_on_rank_1(comm, algorithm: str, policy: str, reports: dict | None = None) -> dict:
     """Train a small model with a NaN in rank 1's gradient at step 3; report what every
@@ -306,7 +297,7 @@ def nan_on_rank_1(comm, algorithm: str, policy: str, reports: dict | None = None
             if reducer is not None and reducer.memory is not None:
                 if isinstance(reducer.memory, ErrorFeedback):
                     assert reducer.memory.state_dict()["residuals"]  # there is one to check
-                for t in _state_tensors(reducer.memory.state_dict()):
+                for t in state_tensors(reducer.memory.state_dict()):
                     if not torch.isfinite(t).all():
                         held.append(f"rank {comm.rank} memory at step {step}")
         optimizer.finish()
@@ -521,7 +512,7 @@ def test_reducer_without_agreement_refuses_a_nan_before_any_memory_holds_it(memo
         try:
             reducer.reduce([("net.w", grad)], 0)
         except FloatingPointError as exc:
-            state = _state_tensors(reducer.memory.state_dict())
+            state = state_tensors(reducer.memory.state_dict())
             return str(exc), all(torch.isfinite(t).all() for t in state)
         return None
 

@@ -25,6 +25,7 @@ from torch import nn
 import gossamer
 from gossamer.algorithms import ADPSGD, GossipGraD, LocalSGD, TopKAllReduce, available, create
 from gossamer.comm import SimWorld
+from gossamer.testing import state_tensors
 
 WORLD = 4
 STEPS = 6
@@ -83,18 +84,9 @@ def _record_steps(optimizer: torch.optim.Optimizer, clock: list[int]) -> list[in
     return stepped
 
 
-def _tensors(state) -> list[torch.Tensor]:
-    if isinstance(state, torch.Tensor):
-        return [state]
-    if isinstance(state, dict):
-        return [t for v in state.values() for t in _tensors(v)]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _tensors(v)]
-    return []
-
 
 def _finite(state) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in _tensors(state) if t.is_floating_point())
+    return all(bool(torch.isfinite(t).all()) for t in state_tensors(state) if t.is_floating_point())
 
 
 def train(comm, algorithm, scaled: bool = True, unscale: bool = False) -> dict[str, object]:

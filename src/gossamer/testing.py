@@ -36,7 +36,7 @@ from typing import Any
 from gossamer.comm.environment import torchrun_variables, without_launcher
 from gossamer.launch.supervisor import Supervisor
 
-__all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo"]
+__all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo", "state_tensors"]
 
 _LINGER = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when the children are stopped
@@ -221,3 +221,17 @@ def collect(results: Sequence[dict[Hashable, Any]], key: Hashable) -> list[Any]:
             raise AssertionError(f"{key}: rank {rank} raised:\n{per_rank[key].traceback}")
         out.append(per_rank[key])
     return out
+
+
+def state_tensors(state: Any) -> list[Any]:
+    """Every tensor in a state (a ``state_dict()``: dicts, lists and tuples of them), in
+    order."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in state_tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in state_tensors(v)]
+    return []
