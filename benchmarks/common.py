@@ -45,9 +45,11 @@ def mnist_cnn(data: str | Path, *, steps: int | None = None) -> TrainConfig:
 
 
 def add_steps_argument(parser: argparse.ArgumentParser) -> None:
-    """``--steps N``: override the recipe's steps, a shorter check of the benchmark itself."""
+    """``--steps N``: override the recipe's steps (a shorter check of the benchmark, or a
+    longer run)."""
     parser.add_argument("--steps", type=int, default=None,
-                        help="override the recipe's steps (a shorter check of the benchmark)")
+                        help="override the recipe's steps (a shorter check of the benchmark, "
+                             "or a longer run)")
 
 
 def cnn_bytes() -> int:

@@ -5,6 +5,8 @@
     gossamer bench compress bytes --workers 8
     gossamer bench compress accuracy --data ../shared/data --dgc-warmup 60
     gossamer bench compress accuracy --workers 16 --methods allreduce --sparse-warmup 125
+    gossamer bench compress accuracy --workers 16 --methods allreduce --sparse-warmup 125 \
+        --steps 600 --seed 1
     gossamer bench compress digits
 
 speed: seconds to compress one 25.6M-element float32 gradient (ResNet-50's size) on this CPU
@@ -33,7 +35,8 @@ owners' quotas alone (no threshold yet); its steady state is measured by ``accur
 
 accuracy: the MNIST CNN (recipes/mnist-cnn.yaml, 8 simulated workers, 300 steps) with AllReduce,
 DGC at 0.001, top-k, QSGD and PowerSGD (``--methods``), and DGC through the sparse all-reduce
-(``--sparse-warmup``); final eval accuracy against AllReduce's (target: DGC within 0.5 points)
+(``--sparse-warmup``); ``--steps`` and ``--seed`` other than the recipe's write to their own
+folder and result file; final eval accuracy against AllReduce's (target: DGC within 0.5 points)
 and bytes per worker per step, over the run and over its last evaluation interval (after the
 density warm-up: the sparse all-reduce's threshold at work, which one step of ``bytes`` does
 not show).
@@ -323,8 +326,10 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         name = f"dgc-sparse-warmup{steps}"
         entries[name] = f"{spec}:aggregation=sparse_allreduce"
         specs[name] = ("allreduce", {"compression": spec, "aggregation": "sparse_allreduce"})
-    out = results.folder / (f"compress-mnist-{args.workers}"
-                            + (f"-seed{args.seed}" if args.seed else ""))
+    # runs of another length or seed go to their own folder and result file
+    suffix = (f"-seed{args.seed}" if args.seed else "") + (f"-steps{args.steps}"
+                                                           if args.steps else "")
+    out = results.folder / f"compress-mnist-{args.workers}{suffix}"
     runs = {}
     for name, label in entries.items():
         run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
@@ -361,7 +366,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
               f"{per_step / 1e3:.1f} kB = {rows[-1]['bytes_vs_allreduce']:.4f} x AllReduce; "
               f"last {config.eval_every} steps {tail / 1e3:.2f} kB/step = "
               f"{reference_tail / tail:.0f}x fewer than AllReduce")
-    results.write("compress_accuracy" + (f"_seed{args.seed}" if args.seed else ""),
+    results.write("compress_accuracy" + suffix.replace("-", "_"),
                   {"recipe": "recipes/mnist-cnn.yaml", "seed": args.seed, "rows": rows})
 
 
