@@ -301,10 +301,13 @@ class GradientBuckets(BackwardSchedule):
                 p.grad = torch.empty_like(summed)
             targets.append(p.grad)
             sums.append(summed)
-        # the sums into the gradients, divided there (the buffers are not read again: one
-        # pass over them less, which the simulator's hundreds of replicas notice)
+        # each bucket's sums divided in its flat buffer (one call a bucket: on a CPU a
+        # "foreach" call is one call per tensor, and a small model's step is made of such
+        # calls), then copied into the gradients; as many passes over the data as dividing
+        # in the gradients, the same values
+        for span in self._spans:
+            span.div_(self.comm.world_size)
         torch._foreach_copy_(targets, sums)
-        torch._foreach_div_(targets, self.comm.world_size)
 
 
 class ThreadedBuckets(BackwardSchedule):
