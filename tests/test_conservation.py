@@ -89,6 +89,7 @@ from gossamer.algorithms import (
     available,
 )
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
+from gossamer.comm.sim import SimComm
 
 STEPS, LR, WORKERS = 40, 0.1, 8  # lr x steps = 4.0
 GLOO_WORKERS = 4
@@ -247,7 +248,9 @@ def unsent(runtime) -> torch.Tensor | None:
 def run_worker(comm, case: Case, steps: int, lr: float, kind: str,
                late_rank: int | None = None) -> Outcome:
     """``steps`` steps of the constant gradient, then ``finish()``; ``late_rank`` sleeps
-    ``GLOO_DELAY`` per step (a straggler on gloo)."""
+    ``GLOO_DELAY`` per step (a straggler on gloo). In the simulator nobody sleeps: its
+    compute model (``Speeds``) makes the stragglers in virtual time, which a real sleep does
+    not move."""
     # A stale method's workers all compute for a while, so that on real processes nobody is
     # late unless made so: each step's messages arrive during the others' computation (at
     # equal speeds 20 ms each; with a late rank, 5 ms against its 20 ms)
@@ -257,6 +260,8 @@ def run_worker(comm, case: Case, steps: int, lr: float, kind: str,
         delay = GLOO_DELAY
     else:
         delay = GLOO_DELAY if comm.rank == late_rank else GLOO_DELAY / 4
+    if isinstance(comm, SimComm):
+        delay = 0.0
     model = Replica()
     optimizer = gossamer.distribute(
         model, _make_optimizer(case.optimizer, model.parameters(), lr), case.algorithm, comm)
