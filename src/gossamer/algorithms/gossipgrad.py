@@ -51,12 +51,7 @@ from torch import nn
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets, apply_flat
-from gossamer.algorithms.overlap import (
-    FIRST_BUCKET_BYTES,
-    CommThread,
-    ThreadedBuckets,
-    overlaps,
-)
+from gossamer.algorithms.overlap import FIRST_BUCKET_BYTES, ThreadedBuckets, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, value_dtype
@@ -394,11 +389,7 @@ class GossipGraDRuntime(ExactAverages, Runtime):
         members of a node must hold the same one); then the members' exact average."""
         assert isinstance(algorithm, GossipGraD)
         algorithm.validate(comm.world_size)
-        exchange = self.exchange
-        exchange._jobs = []
-        if exchange.thread is not None:
-            exchange.thread = CommThread()
-        exchange.new_step()
+        self.exchange.abandon()
         self.comm, self.config = comm, algorithm
         self._connect(comm)
         self.average_parameters()

@@ -339,6 +339,15 @@ class ThreadedBuckets(BackwardSchedule):
         self._found = []
         super().new_step()
 
+    def abandon(self) -> None:
+        """Drop this step's sends, never waited on (their communicator failed): a new
+        communication thread takes the next step's (a send still blocked on the old one fails
+        within its timeout, alone), and the step is forgotten."""
+        self._jobs = []
+        if self.thread is not None:
+            self.thread = CommThread()
+        self.new_step()
+
     @property
     def found(self) -> str | None:
         """This step's non-finite gradients, described (None: none)."""
