@@ -370,8 +370,10 @@ def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simul
     simulated = _sim(algorithm, (crash,), steps=steps)["membership"]
     assert [h["members"] for h in result["membership"]] == [h["members"] for h in simulated]
     # WAGMA's survivors notice the failure in the step where a round waits for the dead
-    # worker's model: with tau = 1 a survivor may be a round ahead, by timing
-    slack = 1 if algorithm == "wagma" else 0
+    # worker's model: with tau = 1 a survivor may be a round ahead, by timing. Streaming
+    # DiLoCo's fragment exchange is waited on tau = 1 step after it starts: the dead worker's
+    # closed connection shows at the start or at the wait, one step apart, by timing
+    slack = 1 if algorithm in ("wagma", "streaming-diloco") else 0
     assert abs(result["membership"][1]["step"] - simulated[1]["step"]) <= slack
 
 
