@@ -58,6 +58,33 @@ def test_a_recipe_names_the_algorithm_either_way(tmp_path):
         load_recipe(broken)
 
 
+def test_another_algorithm_on_the_command_line_does_not_take_the_recipes_options(
+        tmp_path, capsys):
+    from gossamer.algorithms import DiLoCo
+    from gossamer.cli import build_parser
+    from gossamer.train.config import config_from_args
+
+    recipe = tmp_path / "qsr.yaml"
+    recipe.write_text("algorithm: qsr\noptions:\n  period: 2\n  alpha: 0.0045\n")
+
+    def config(*flags: str) -> TrainConfig:
+        return config_from_args(build_parser().parse_args(
+            ["train", "--config", str(recipe), *flags]))
+
+    # DiLoCo has an alpha too: the QSR recipe's would turn on its QSR period unasked
+    diloco = config("--algorithm", "diloco", "--option", "period=8").algorithm
+    assert diloco == DiLoCo(period=8) and diloco.alpha == 0
+    assert "replaces the recipe's qsr, whose options (alpha, period) are not used" in (
+        capsys.readouterr().err)
+    # LocalSGD has no alpha: the run starts instead of failing on the recipe's option
+    assert config("--algorithm", "localsgd").algorithm == LocalSGD()
+    assert "replaces the recipe's qsr" in capsys.readouterr().err
+    # the recipe's own algorithm keeps its options, the flags' on top
+    qsr = config("--algorithm", "qsr", "--option", "period=3").algorithm
+    assert (qsr.name, qsr.period, qsr.alpha) == ("qsr", 3, 0.0045)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_compressor_goes_only_with_a_gradient_level_method():
     with pytest.raises(ValueError, match="compressor.*'sgp'.*allreduce"):
         TrainConfig(algorithm="sgp", compressor="topk")

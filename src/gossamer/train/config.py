@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -585,6 +586,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
     settings: dict[str, Any] = {}
     if getattr(args, "config", None):
         settings.update(load_recipe(args.config))
+        _drop_options_of_replaced_algorithm(settings, getattr(args, "algorithm", None))
     for name in _FIELDS:
         value = getattr(args, name, None)
         if value is not None:
@@ -601,6 +603,23 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
     config = TrainConfig(**settings)
     config.check_effect()
     return config
+
+
+def _drop_options_of_replaced_algorithm(settings: dict[str, Any], algorithm: Any) -> None:
+    """A recipe's ``options`` belong to its algorithm: where ``--algorithm`` names another one,
+    they are dropped (with a note), not applied to it. (A QSR recipe's ``alpha`` would
+    otherwise turn on DiLoCo's QSR period unasked, or fail on an algorithm without it.)"""
+    recipe_algorithm = settings.get("algorithm", "allreduce")
+    if not algorithm or not settings.get("options") or not isinstance(recipe_algorithm, str):
+        return
+    from gossamer.algorithms import lookup
+
+    if lookup(algorithm) is lookup(recipe_algorithm):
+        return
+    dropped = settings.pop("options")
+    print(f"note: --algorithm {algorithm} replaces the recipe's {recipe_algorithm}, whose "
+          f"options ({', '.join(sorted(dropped))}) are not used; give --option for "
+          f"{algorithm}'s", file=sys.stderr)
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
