@@ -59,11 +59,12 @@ def test_a_recipe_names_the_algorithm_either_way(tmp_path):
 
 
 def test_another_algorithm_on_the_command_line_does_not_take_the_recipes_options(
-        tmp_path, capsys):
+        tmp_path, capsys, monkeypatch):
     from gossamer.algorithms import DiLoCo
     from gossamer.cli import build_parser
     from gossamer.train.config import config_from_args
 
+    monkeypatch.delenv("RANK", raising=False)  # the note is rank 0's
     recipe = tmp_path / "qsr.yaml"
     recipe.write_text("algorithm: qsr\noptions:\n  period: 2\n  alpha: 0.0045\n")
 

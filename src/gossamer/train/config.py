@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
@@ -617,9 +618,10 @@ def _drop_options_of_replaced_algorithm(settings: dict[str, Any], algorithm: Any
     if lookup(algorithm) is lookup(recipe_algorithm):
         return
     dropped = settings.pop("options")
-    print(f"note: --algorithm {algorithm} replaces the recipe's {recipe_algorithm}, whose "
-          f"options ({', '.join(sorted(dropped))}) are not used; give --option for "
-          f"{algorithm}'s", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # once, not once per process of a launch
+        print(f"note: --algorithm {algorithm} replaces the recipe's {recipe_algorithm}, whose "
+              f"options ({', '.join(sorted(dropped))}) are not used; give --option for "
+              f"{algorithm}'s", file=sys.stderr)
 
 
 def parse_options(pairs: list[str]) -> dict[str, str]:
