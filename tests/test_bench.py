@@ -64,6 +64,7 @@ def test_a_tiny_benchmark_runs_end_to_end_and_writes_its_results(tmp_path, capsy
     assert row["workers"] == 2 and data["steps"] == 2 and data["batch"] == 4
     assert row["bare_step_ms"] > 0 and row["simulated_step_ms"] > 0
     assert row["ratio"] == pytest.approx(row["simulated_step_ms"] / (2 * row["bare_step_ms"]))
+    assert row["ratio_min"] == row["ratio_max"] == pytest.approx(row["ratio"])  # one repeat
     assert f"wrote {path}" in capsys.readouterr().out
 
 
