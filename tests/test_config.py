@@ -64,7 +64,8 @@ def test_another_algorithm_on_the_command_line_does_not_take_the_recipes_options
     from gossamer.cli import build_parser
     from gossamer.train.config import config_from_args
 
-    monkeypatch.delenv("RANK", raising=False)  # the note is rank 0's
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(name, raising=False)  # the note is rank 0's
     recipe = tmp_path / "qsr.yaml"
     recipe.write_text("algorithm: qsr\noptions:\n  period: 2\n  alpha: 0.0045\n")
 

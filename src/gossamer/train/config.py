@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import types
 import typing
@@ -610,15 +609,16 @@ def _drop_options_of_replaced_algorithm(settings: dict[str, Any], algorithm: Any
     """A recipe's ``options`` belong to its algorithm: where ``--algorithm`` names another one,
     they are dropped (with a note), not applied to it. (A QSR recipe's ``alpha`` would
     otherwise turn on DiLoCo's QSR period unasked, or fail on an algorithm without it.)"""
-    recipe_algorithm = settings.get("algorithm", "allreduce")
+    recipe_algorithm = settings.get("algorithm", AllReduce.name)  # TrainConfig's default
     if not algorithm or not settings.get("options") or not isinstance(recipe_algorithm, str):
         return
     from gossamer.algorithms import lookup
+    from gossamer.comm.environment import launched_rank
 
     if lookup(algorithm) is lookup(recipe_algorithm):
         return
     dropped = settings.pop("options")
-    if os.environ.get("RANK", "0") == "0":  # once, not once per process of a launch
+    if launched_rank() in (None, 0):  # once, not once per process of a launch
         print(f"note: --algorithm {algorithm} replaces the recipe's {recipe_algorithm}, whose "
               f"options ({', '.join(sorted(dropped))}) are not used; give --option for "
               f"{algorithm}'s", file=sys.stderr)
