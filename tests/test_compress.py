@@ -466,6 +466,36 @@ def test_memory_momentum_applied_twice_is_refused():
         SimWorld(1).run(scheduled)
 
 
+def test_dgc_checkpoint_keeps_a_scheduled_momentum():
+    """A checkpoint of DGC under OneCycleLR holds the momentum the schedule reached (the
+    optimizer's groups hold 0 while DGC applies it), and a fresh worker loads it."""
+    def worker(comm):
+        def bound():
+            model = nn.Linear(4, 2)
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            return model, gossamer.distribute(model, sgd, DGC(ratio=0.5), comm)
+
+        model, opt = bound()
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=8,
+                                                        base_momentum=0.5, max_momentum=0.95)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            opt.step()
+            scheduler.step()
+        opt.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()  # takes over what the scheduler wrote last
+        reached = opt.runtime.reducer.memory.momentum
+        _, fresh = bound()
+        fresh.runtime.load_state_dict(opt.runtime.state_dict())
+        return reached, fresh.runtime.reducer.memory.momentum
+
+    for reached, loaded in SimWorld(2).run(worker):
+        assert reached != pytest.approx(0.9)
+        assert loaded == reached
+
+
 # ------------------------------------------------------------------------ registry
 
 

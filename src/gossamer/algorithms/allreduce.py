@@ -307,21 +307,13 @@ class AllReduceRuntime(Runtime):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.reducer is not None:
-            state["compression"] = self.reducer.state_dict()
-            if self.follows_momentum:  # a schedule's momentum: the groups hold 0 meanwhile
-                memory = self.reducer.memory
-                assert isinstance(memory, DGCMemory)
-                state["momentum"] = {"momentum": memory.momentum, "nesterov": memory.nesterov}
+            state["compression"] = self.reducer.state_dict()  # DGC's: its momentum too
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         if self.reducer is not None:
             self.reducer.load_state_dict(state["compression"])
-            if self.follows_momentum and "momentum" in state:
-                memory = self.reducer.memory
-                assert isinstance(memory, DGCMemory)
-                memory.follow(state["momentum"]["momentum"], state["momentum"]["nesterov"])
 
 
 def compression_argument(value: Compression | str | Mapping[str, Any]) -> Compression:

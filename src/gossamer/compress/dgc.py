@@ -423,15 +423,22 @@ class DGCMemory(Memory):
         return self._v.get(key)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"momentum": {k: t.clone() for k, t in self._u.items()},
-                "velocity": {k: t.clone() for k, t in self._v.items()},
-                "decay": {k: t.clone() for k, t in self._decay.items()}}
+        """``u``, ``v`` and the decay buffers; and the momentum and Nesterov in use, once
+        known (a schedule's, followed since the memory was built: see :meth:`follow`)."""
+        state: dict[str, Any] = {"momentum": {k: t.clone() for k, t in self._u.items()},
+                                 "velocity": {k: t.clone() for k, t in self._v.items()},
+                                 "decay": {k: t.clone() for k, t in self._decay.items()}}
+        if self.momentum is not None:
+            state["schedule"] = {"momentum": self.momentum, "nesterov": self.nesterov}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for own, saved in ((self._u, state["momentum"]), (self._v, state["velocity"]),
                            (self._decay, state.get("decay", {}))):
             own.clear()
             own.update({k: t.clone() for k, t in saved.items()})
+        if "schedule" in state:
+            self.follow(state["schedule"]["momentum"], state["schedule"]["nesterov"])
 
 
 # What a take-over leaves in a group: the int 0, which a scheduler never writes (it writes

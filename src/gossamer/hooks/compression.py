@@ -204,18 +204,11 @@ class CompressionState(HookState):
     def state_dict(self) -> dict[str, Any]:
         """The step, the memory and compressor state, the statistics (never the process
         group)."""
-        state = {**self.steps_state(), "compression": self.reducer.state_dict()}
-        memory = self.reducer.memory
-        if self.optimizer is not None and isinstance(memory, DGCMemory):  # a schedule's
-            state["momentum"] = {"momentum": memory.momentum, "nesterov": memory.nesterov}
-        return state
+        return {**self.steps_state(), "compression": self.reducer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_steps_state(state)
         self.reducer.load_state_dict(state["compression"])
-        memory = self.reducer.memory
-        if self.optimizer is not None and isinstance(memory, DGCMemory) and "momentum" in state:
-            memory.follow(state["momentum"]["momentum"], state["momentum"]["nesterov"])
 
 
 def compression_hook(
