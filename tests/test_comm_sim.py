@@ -275,6 +275,61 @@ def test_bad_exchange_arguments():
     assert SimWorld(2).run(fn) == [True, True]
 
 
+def test_integer_mean_rounds_down():
+    """An all-reduce mean of integers floor-divides, as TorchCommunicator and P2PGroup do (an
+    integer tensor cannot hold the fraction)."""
+    def fn(comm):
+        world = comm.all_reduce(torch.tensor([3 * comm.rank + 1, -comm.rank]), op="mean")
+        group = comm.group([0, 2]) if comm.rank != 1 else None
+        pair = group.all_reduce(torch.tensor([comm.rank + 2]), op="mean") if group else None
+        return world.tolist(), None if pair is None else pair.tolist()
+
+    results = SimWorld(3).run(fn)
+    assert [w for w, _ in results] == [[(1 + 4 + 7) // 3, (0 - 1 - 2) // 3]] * 3
+    assert results[0][1] == results[2][1] == [(2 + 4) // 2]
+
+
+def _counters(stats) -> dict[str, dict]:
+    return {name: {k: v for k, v in sorted(getattr(stats, name).items()) if v} for name in
+            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "operations")}
+
+
+def _subgroup_traffic(comm, make_group) -> dict[str, dict]:
+    out = {}
+    if comm.rank in (0, 2, 3):
+        sub = make_group(comm, [0, 2, 3])
+        sub.all_gather(torch.ones(5 + sub.rank))
+        sub.all_reduce(torch.ones(7))
+        sub.broadcast(torch.ones(3), src=2)
+        sub.barrier()
+        sub.exchange({(sub.rank + 1) % 3: torch.ones(2)}, [(sub.rank - 1) % 3]).wait()
+        if sub.rank in (0, 2):
+            inner = sub.group([2, 0])
+            inner.all_reduce(torch.ones(4))
+            inner.barrier()
+            out["inner"] = _counters(inner.stats)
+        out["group"] = _counters(sub.stats)
+    out["world"] = _counters(comm.stats)
+    return out
+
+
+def test_a_p2p_group_is_counted_as_a_subgroup():
+    """A P2PGroup (what a real communicator's group is) over the simulator counts as the
+    simulator's own subgroup: each collective under its name with cost.py's traffic, in the
+    group and in every enclosing one, not the exchanges that carry it."""
+    from gossamer.comm.p2p_group import P2PGroup
+
+    native = SimWorld(4).run(_subgroup_traffic, lambda comm, ranks: comm.group(ranks))
+    p2p = SimWorld(4).run(_subgroup_traffic, P2PGroup)
+    assert p2p == native
+    # rank 0 is rank 0 of the group and rank 1 of the nested one; the nested group's
+    # all-reduce and barrier are counted in the group and the world too
+    ops = {"all_gather": 1, "all_reduce": 2, "barrier": 2, "broadcast": 1, "exchange": 1}
+    assert native[0]["world"]["operations"] == native[0]["group"]["operations"] == ops
+    assert native[0]["inner"]["operations"] == {"all_reduce": 1, "barrier": 1}
+    assert native[1]["world"] == {name: {} for name in native[1]["world"]}
+
+
 def test_cost_formulas_sum_to_ring_totals():
     n, numel = 5, 1003
     sent = sum(b for r in range(n) for _, b, _ in cost.ring_all_reduce_traffic(r, n, numel, 4))

@@ -419,23 +419,41 @@ def test_timeout_defaults_to_the_backends(monkeypatch: pytest.MonkeyPatch) -> No
         comm.close()
 
 
-def _group_traffic(comm) -> dict[str, dict[int, int]]:
-    """A subgroup's all-gather (sizes differing per rank), all-reduce and barrier; what the
-    process's and the group's counters say was sent."""
+_COUNTERS = ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "operations")
+
+
+def _counters(stats) -> dict[str, dict]:
+    """Every counter of ``stats``, without the zeros."""
+    return {name: {k: v for k, v in sorted(getattr(stats, name).items()) if v}
+            for name in _COUNTERS}
+
+
+def _group_traffic(comm) -> dict[str, dict]:
+    """A subgroup's collectives (an all-gather of sizes differing per rank, an integer mean,
+    a broadcast, a barrier) and an exchange, then a group nested in it; what the process's,
+    the group's and the nested group's counters say, and the integer mean."""
+    out: dict[str, dict] = {}
     if comm.rank in (0, 2, 3):
         sub = comm.group([0, 2, 3])
         sub.all_gather(torch.ones(5 + sub.rank))
-        sub.all_reduce(torch.ones(7))
+        mean = sub.all_reduce(torch.full((7,), 3 * comm.rank + 1), op="mean")
+        out["mean"] = {"values": mean.tolist()}
+        sub.broadcast(torch.ones(3), src=2)
         sub.barrier()
-        group = dict(sub.stats.bytes_sent)
-    else:
-        group = {}
+        sub.exchange({(sub.rank + 1) % 3: torch.ones(2)}, [(sub.rank - 1) % 3]).wait()
+        if sub.rank in (0, 2):
+            inner = sub.group([2, 0])
+            inner.all_reduce(torch.ones(4))
+            inner.all_gather(torch.ones(inner.rank + 2))
+            inner.barrier()
+            out["inner"] = _counters(inner.stats)
+        out["group"] = _counters(sub.stats)
     comm.barrier()
-    return {"world": {p: b for p, b in comm.stats.bytes_sent.items() if b},
-            "group": {p: b for p, b in group.items() if b}}
+    out["world"] = _counters(comm.stats)
+    return out
 
 
-def _group_traffic_on_gloo() -> dict[str, dict[int, int]]:
+def _group_traffic_on_gloo() -> dict[str, dict]:
     from gossamer.comm import TorchCommunicator
 
     with TorchCommunicator.from_env(timeout=30) as comm:
@@ -444,15 +462,24 @@ def _group_traffic_on_gloo() -> dict[str, dict[int, int]]:
 
 @pytest.mark.gloo
 def test_a_subgroups_traffic_is_counted_as_the_simulator_counts_it() -> None:
-    """Backend parity: a P2PGroup's control messages (the all-gather's shape headers, the
-    barrier's signals) are not counted, as TorchCommunicator's own all-gather counts only
-    payloads and the simulator counts cost.py's traffic: the counters agree byte for byte."""
+    """Backend parity: a P2PGroup's collectives are counted in its parent's stats under their
+    names with cost.py's bytes and messages (the barrier's zero-byte signals included, the
+    all-gather's shape headers not), not as the exchanges that carry them, as the simulator
+    counts a subgroup's; a nested group's count in every enclosing group. Every counter
+    agrees, and an integer mean rounds down in both."""
     from gossamer.comm import SimWorld
 
     real = spawn_gloo(_group_traffic_on_gloo, 4, timeout=120)
     sim = SimWorld(4).run(_group_traffic)
     assert real == sim
-    assert real[0]["world"] and real[0]["group"]  # something was counted
+    assert real[0]["mean"]["values"] == [(1 + 7 + 10) // 3] * 7
+    assert real[1]["world"]["operations"] == {"barrier": 1}
+    # rank 0: the group's 4 collectives and exchange, the nested group's 3, the world barrier
+    assert real[0]["world"]["operations"] == {
+        "all_gather": 2, "all_reduce": 2, "barrier": 3, "broadcast": 1, "exchange": 1}
+    assert real[0]["group"]["operations"] == {
+        "all_gather": 2, "all_reduce": 2, "barrier": 2, "broadcast": 1, "exchange": 1}
+    assert real[0]["world"]["bytes_sent"] and real[0]["inner"]["bytes_sent"]
 
 
 def _posting_fails_as_gloo_fails() -> list[str]:

@@ -65,6 +65,47 @@ def test_push_sum_exact_after_one_period_of_exponential_graph(n):
         assert torch.allclose(estimate, mean, rtol=0, atol=1e-12)
 
 
+def test_push_sum_average_refuses_a_graph_that_is_not_strongly_connected():
+    """Two pairs that never talk would each converge to their own mean ([0.5, 0.5, 2.5, 2.5]
+    instead of 1.5 everywhere): the graph is refused, naming the argument."""
+    pairs = from_matrix([[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5],
+                         [0, 0, 0.5, 0.5]])
+
+    def worker(comm):
+        with pytest.raises(ValueError, match="topology: .* not strongly connected"):
+            push_sum_average(comm, torch.tensor([float(comm.rank)]), pairs, rounds=10)
+        return True
+
+    assert SimWorld(4).run(worker) == [True] * 4
+
+
+def test_push_sum_average_refuses_an_integer_tensor():
+    def worker(comm):
+        with pytest.raises(ValueError, match="tensor: .*floating-point.*int64"):
+            push_sum_average(comm, torch.tensor([comm.rank]), exponential(4), rounds=2)
+        return True
+
+    assert SimWorld(4).run(worker) == [True] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_push_sum_average_of_low_precision_values_does_not_drift(dtype):
+    """float16 and bfloat16 values are mixed in float32: after 200 rounds of a ring of 5
+    (shares of 1/3, which neither dtype holds exactly) every estimate is the mean of the
+    values rounded once to their dtype (mixed in their own dtype, they drifted by 0.4%)."""
+    n = 5
+
+    def worker(comm):
+        value = torch.tensor([comm.rank + 0.1, 10.0 * comm.rank - 7.3], dtype=dtype)
+        return push_sum_average(comm, value, ring(n), rounds=200), value
+
+    results = SimWorld(n).run(worker)
+    mean = sum(v.double() for _, v in results) / n
+    for estimate, _ in results:
+        assert estimate.dtype == dtype
+        assert torch.equal(estimate, mean.to(dtype))
+
+
 # ---------------------------------------------------------------------------- training parity
 
 STEPS = 20

@@ -4,7 +4,8 @@ Collectives over a subset of ranks need no new process group (creating one in c1
 collective over the whole world): :class:`P2PGroup` runs the ring, tree and dissemination
 algorithms of :mod:`gossamer.comm.cost` as sequences of ``parent.exchange`` calls, so it works
 over any :class:`~gossamer.comm.base.Communicator`, real or simulated, and moves exactly the
-bytes that cost.py counts.
+bytes that cost.py counts. The parent counts a group's collective under its name, with cost.py's
+bytes and messages, as the simulator counts a subgroup's, not the exchanges that carry it.
 """
 
 from __future__ import annotations
@@ -27,16 +28,30 @@ from gossamer.comm.base import (
     tensor_nbytes,
 )
 
-__all__ = ["P2PGroup", "uncounted"]
+__all__ = ["P2PGroup", "record_group_collective", "uncounted"]
 
 
 def uncounted(comm: Communicator) -> AbstractContextManager:
-    """A context in which ``comm``'s exchanges (posted and waited for inside it) are not
-    counted in its stats, where it offers one (TorchCommunicator, P2PGroup): a subgroup's
-    control messages, e.g. the shape headers of its all-gather, which a communicator's own
+    """A context in which ``comm``'s exchanges (posted inside it) are not counted in its
+    stats, where it offers one (TorchCommunicator, SimComm, P2PGroup): the exchanges that
+    carry a subgroup's collective, which :func:`record_group_collective` counts instead, and
+    its control messages (the shape headers of its all-gather), which a communicator's own
     all-gather does not count either (the stats count payloads, as cost.py does)."""
     context = getattr(comm, "_uncounted", None)
     return context() if context is not None else nullcontext()
+
+
+def record_group_collective(
+    comm: Communicator, op: str, sent: cost.Traffic, received: cost.Traffic
+) -> None:
+    """Count in ``comm``'s stats a collective ``op`` that a subgroup of it ran, with the
+    traffic cost.py gives (in ``comm``'s ranks; ``received`` names the senders), as ``comm``
+    counts its own: the same bytes, messages and operation name on every backend. A
+    communicator with no such counter keeps what it counted of the exchanges that carried
+    the collective."""
+    record = getattr(comm, "_record_group", None)
+    if record is not None:
+        record(op, sent, received)
 
 # all_gather sends each rank's shape ahead of the payload in a fixed-size int64 header.
 _MAX_DIMS = 16
@@ -74,11 +89,12 @@ class P2PGroup:
 
     Member ``ranks[i]`` of the parent is rank ``i`` here. Construct it on the members only
     (others get a ValueError), all with the same ``ranks``. Its ``stats`` count in group ranks,
-    as cost.py counts the collectives; the parent's stats also see the traffic, in its ranks,
-    since everything goes through ``parent.exchange`` (all but the control messages: the
-    all-gather's shape headers and the barrier's signals, see :func:`uncounted`). Each step
-    of a collective is bounded by the parent's timeout, and a parent's CommError comes back
-    naming the group operation.
+    as cost.py counts the collectives; the parent's stats (and theirs up to the world's) also
+    see the traffic, in their ranks: a collective under its name with cost.py's bytes and
+    messages (barrier signals included, the all-gather's shape headers not), as the simulator
+    counts a subgroup's (:func:`record_group_collective`); an :meth:`exchange` as the parent's
+    own. Each step of a collective is bounded by the parent's timeout, and a parent's
+    CommError comes back naming the group operation.
     """
 
     def __init__(self, parent: Communicator, ranks: Sequence[int]) -> None:
@@ -144,7 +160,7 @@ class P2PGroup:
                 return flat[starts[i]: starts[i] + sizes[i]]
 
             nxt, prv = (r + 1) % n, (r - 1) % n
-            with self._errors(label):
+            with self._errors(label), uncounted(self._parent):  # counted by _record
                 # Reduce-scatter: after step s, chunk r - s - 1 holds s + 2 contributions.
                 for s in range(n - 1):
                     send, recv = (r - s) % n, (r - s - 1) % n
@@ -175,10 +191,10 @@ class P2PGroup:
         """
         label = self._begin("all_gather")
         n, r = self.world_size, self._rank
-        with self._errors(label):
+        # Counted by _record: the payloads only, as TorchCommunicator.all_gather counts them.
+        with self._errors(label), uncounted(self._parent):
             header = shape_header(tensor).to(tensor.device)
-            with uncounted(self._parent):  # as TorchCommunicator.all_gather: payloads only
-                headers = self._ring_gather(header, lambda i: header)
+            headers = self._ring_gather(header, lambda i: header)
             shapes = check_headers(headers)
             numels = [numel_of(s) for s in shapes]
             mine = tensor.detach().reshape(-1).clone()
@@ -202,7 +218,7 @@ class P2PGroup:
         check_rank(src, n, "src")
         label = self._begin("broadcast")
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        with self._errors(label):
+        with self._errors(label), uncounted(self._parent):  # counted by _record
             for edges in cost._tree_edges(n, src):
                 sends = {dst: buf for s, dst in edges if s == r}
                 recv_from = [s for s, dst in edges if dst == r]
@@ -225,7 +241,7 @@ class P2PGroup:
         label = self._begin("barrier")
         n, r = self.world_size, self._rank
         token = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        with self._errors(label), uncounted(self._parent):  # zero-byte signals, as cost.py
+        with self._errors(label), uncounted(self._parent):  # counted by _record: 0 bytes
             for k in range(cost.barrier_rounds(n)):
                 self._exchange({(r + (1 << k)) % n: token}, [(r - (1 << k)) % n], token)
         self._record(
@@ -254,6 +270,12 @@ class P2PGroup:
                 self._stats.record_send(peer, tensor_nbytes(t))
             self._stats.operations["exchange"] += 1
         return _GroupExchange(self, handle, label, counted=self._counting)
+
+    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """See :func:`record_group_collective`: a nested group's collective, in this group's
+        ranks, here and in the parents; nothing inside :meth:`_uncounted`."""
+        if self._counting:
+            self._record(op, sent, received)
 
     @contextmanager
     def _uncounted(self) -> Iterator[None]:
@@ -319,11 +341,18 @@ class P2PGroup:
             raise type(exc)(message, op=label, peers=peers) from exc
 
     def _record(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """Count a collective (``received`` naming the senders) here and, in its ranks, in
+        the parent."""
         for peer, nbytes, messages in sent:
             self._stats.record_send(peer, nbytes, messages)
         for peer, nbytes, messages in received:
             self._stats.record_receive(peer, nbytes, messages)
         self._stats.operations[op] += 1
+        ranks = self._ranks
+        record_group_collective(
+            self._parent, op, [(ranks[p], b, m) for p, b, m in sent],
+            [(ranks[p], b, m) for p, b, m in received],
+        )
 
 
 # Shared with TorchCommunicator.

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import _thread
+import contextlib
 import functools
 import heapq
 import math
@@ -42,7 +43,7 @@ import signal
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -65,6 +66,7 @@ from gossamer.comm.base import (
 )
 from gossamer.comm.faults import InjectedFault
 from gossamer.comm.network import ComputeModel, NetworkModel
+from gossamer.comm.p2p_group import divide_
 
 _READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
 
@@ -616,13 +618,14 @@ class _SimHandle:
 
     def __init__(
         self, view: SimComm, slots: list[_Slot], sends_done: float,
-        like: torch.Tensor | None, name: str,
+        like: torch.Tensor | None, name: str, counted: bool = True,
     ) -> None:
         self._view = view
         self._slots = slots
         self._sends_done = sends_done
         self._like = like
         self._name = name
+        self._counted = counted  # whether the receives count in the stats (see _uncounted)
         self._result: dict[int, torch.Tensor] | None = None
 
     def _completion(self) -> float:
@@ -659,7 +662,8 @@ class _SimHandle:
                     op=self._name, peers=[view._to_local(slot.src)],
                 )
             peer = view._to_local(slot.src)
-            view._record(peer, tensor_nbytes(tensor), sent=False)
+            if self._counted:
+                view._record(peer, tensor_nbytes(tensor), sent=False)
             result[peer] = tensor.view(self._like.shape).to(self._like.device)
         self._result = result
         return result
@@ -669,7 +673,7 @@ class SimComm:
     """One simulated worker's communicator (over the whole world or a subgroup of it)."""
 
     def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...],
-                 epoch: str | None = None) -> None:
+                 epoch: str | None = None, parent: SimComm | None = None) -> None:
         self._world = world
         self._worker = worker
         self._members = members
@@ -685,6 +689,18 @@ class SimComm:
         self._stats = worker.stats if len(members) == world.world_size and members == tuple(
             range(world.world_size)
         ) else CommStats()
+        # Where traffic is counted: here (in this view's ranks), in every enclosing group (in
+        # its ranks: a subgroup's traffic is its parent's too, as a P2PGroup's goes through
+        # its parent) and in the worker's stats (global ranks), each stats object once.
+        sinks: list[tuple[CommStats, dict[int, int] | None]] = [(self._stats, self._index)]
+        if parent is not None:
+            sinks += parent._sinks
+        sinks.append((worker.stats, None))
+        self._sinks: list[tuple[CommStats, dict[int, int] | None]] = []
+        for stats, index in sinks:
+            if all(stats is not seen for seen, _ in self._sinks):
+                self._sinks.append((stats, index))
+        self._counting = True  # whether exchanges count in the stats (see _uncounted)
         self._exchanges = 0
         #: (numel, element size) -> the ring all-reduce's traffic of this rank (sent, received)
         self._ring_traffic: dict[tuple[int, int], tuple[cost.Traffic, cost.Traffic]] = {}
@@ -709,11 +725,11 @@ class SimComm:
         return self._index[global_rank]
 
     def _record(self, peer: int, nbytes: int, *, sent: bool, messages: int = 1) -> None:
-        """Count traffic with ``peer`` (a rank of this view) here and in the world stats."""
-        targets = [(self._stats, peer)]
-        if self._stats is not self._worker.stats:
-            targets.append((self._worker.stats, self._members[peer]))
-        for stats, p in targets:
+        """Count traffic with ``peer`` (a rank of this view) here, in the enclosing groups
+        and in the world stats, each in its own ranks."""
+        member = self._members[peer]
+        for stats, index in self._sinks:
+            p = member if index is None else index[member]
             if sent:
                 stats.record_send(p, nbytes, messages)
             else:
@@ -726,9 +742,27 @@ class SimComm:
             self._record(peer, nbytes, sent=False, messages=messages)
 
     def _count(self, op: str) -> None:
-        self._stats.operations[op] += 1
-        if self._stats is not self._worker.stats:
-            self._worker.stats.operations[op] += 1
+        for stats, _ in self._sinks:
+            stats.operations[op] += 1
+
+    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """Count a collective of a :class:`~gossamer.comm.p2p_group.P2PGroup` over this
+        communicator (traffic in this view's ranks, ``received`` naming the senders) as this
+        communicator's own collective ``op`` is counted; nothing inside :meth:`_uncounted`."""
+        if self._counting:
+            self._record_traffic(sent, received)
+            self._count(op)
+
+    @contextlib.contextmanager
+    def _uncounted(self) -> Iterator[None]:
+        """Exchanges posted inside are not counted (see
+        :func:`gossamer.comm.p2p_group.uncounted`): a P2PGroup over this communicator counts
+        its collectives by name, as :meth:`group`'s do, not the exchanges that carry them."""
+        saved, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = saved
 
     # ---- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
@@ -755,7 +789,7 @@ class SimComm:
             for part in parts[1:]:
                 total.add_(part)
             if op == "mean":
-                total.div_(n)
+                divide_(total, n)  # integers round down, as on real processes
             torch._foreach_copy_(parts, [total] * len(parts))  # one call for every member
             start = p.last
             return start + cost.ring_all_reduce_time(
@@ -842,21 +876,24 @@ class SimComm:
         like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
         self._exchanges += 1
         name = f"exchange #{self._exchanges}"
-        self._count("exchange")
+        counted = self._counting
+        if counted:
+            self._count("exchange")
         world, w = self._world, self._worker
         sends_done = w.clock
         for peer, tensor in sends.items():
             sends_done = world._send(w, self._members[peer], tensor)
-            self._record(peer, tensor_nbytes(tensor), sent=True)
+            if counted:
+                self._record(peer, tensor_nbytes(tensor), sent=True)
         slots = [world._post(w, self._members[src]) for src in recv_from]
-        return _SimHandle(self, slots, sends_done, like, name)
+        return _SimHandle(self, slots, sends_done, like, name, counted)
 
     def group(self, ranks: Sequence[int]) -> SimComm:
         ranks = check_group_ranks(ranks, self.world_size)
         if self._rank not in ranks:
             raise ValueError(f"ranks {list(ranks)} do not include this worker's rank {self._rank}")
         return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks),
-                       self._epoch)
+                       self._epoch, parent=self)
 
     # ---- membership changes (gossamer.comm.membership)
     @property

@@ -669,8 +669,16 @@ class TorchCommunicator:
         finally:
             self._counting = saved
 
+    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """Count a subgroup's collective ``op`` as this communicator's own (see
+        :func:`gossamer.comm.p2p_group.record_group_collective`); nothing inside
+        :meth:`_uncounted`."""
+        if self._counting:
+            self._record_collective(op, sent, received, mirror=False)
+
     def group(self, ranks: Sequence[int]) -> Communicator:
-        """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`."""
+        """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`: its
+        collectives are counted here by name, as the simulator counts a subgroup's."""
         return P2PGroup(self, ranks)
 
     def clock(self) -> float:
