@@ -890,3 +890,135 @@ def test_compressors_on_cuda():
         if not isinstance(compressor, PowerSGD):
             assert torch.equal(compressor.decompress(restored, "w"), y)
     assert isinstance(DGCCompressor().compress(x, "w"), SparsePayload)
+
+
+# ------------------------------------------- fp16 shares, random-k's k positions, payload bytes
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("compressor", [FP16(), BF16()], ids=["fp16", "bf16"])
+def test_half_precision_average_is_right_where_the_sum_would_overflow(compressor, n):
+    """Worker r holds 40960, -40960, 1.5 and 30000 + 1000 r: each sum over the workers passes
+    float16's 65504 while each average fits. Each worker sends its share, cast and then divided
+    by n as DDP's ``fp16_compress_hook`` does, so the all-reduced sum is the average itself:
+    finite, exact where the values are representable, within the narrow type's rounding
+    elsewhere (summed first and divided afterwards, float16's sum would be inf)."""
+    def worker(comm):
+        g = torch.tensor([[40960.0, -40960.0, 1.5, 30000.0 + 1000 * comm.rank]]).repeat(2, 1)
+        CompressedReducer(comm, compressor).reduce([("w", g)], step=0)
+        return g
+
+    mean = 30000.0 + 1000 * (n - 1) / 2
+    eps = torch.finfo(compressor.dtype).eps
+    for g in SimWorld(n).run(worker):
+        assert bool(torch.isfinite(g).all())
+        assert g[:, :3].tolist() == [[40960.0, -40960.0, 1.5]] * 2
+        assert bool(((g[:, 3] - mean).abs() <= 2 * eps * mean).all()), g[:, 3]
+
+
+def test_fp16_shares_cannot_overflow_and_the_residual_is_what_was_not_sent():
+    """Three workers at float16's largest value: in DDP's order alone each share, 65504 / 3,
+    rounds up to 21840 and three of them add up to inf. The shares are clamped to
+    ``share_limit`` (21808), so the sum (65424, rounded to 65408 in float16) is finite. With
+    error feedback each worker's residual is exactly what it did not contribute to the sum,
+    ``c - 3 * share``: the cast's, the division's and the clamp's errors."""
+    from gossamer.compress.cast import share_limit
+
+    assert share_limit(torch.float16, 3) == 21808.0
+    assert share_limit(torch.float16, 1) == 65504.0
+    values = [65504.0, -65504.0, 3.0, 1e-7, 1000.3]
+
+    def worker(comm):
+        g = torch.tensor(values)
+        reducer = CompressedReducer(comm, FP16(), ErrorFeedback())
+        reducer.reduce([("w", g)], step=0)
+        return g, reducer.memory.residual("w").clone()
+
+    c = torch.tensor(values)
+    share = (c.to(torch.float16) / 3).clamp(-21808.0, 21808.0)
+    total = share + share + share  # float16, in rank order
+    for g, residual in SimWorld(3).run(worker):
+        assert bool(torch.isfinite(g).all())
+        assert torch.equal(g, total.float())
+        assert g[0] == 65408.0 and g[2] == 3.0
+        assert torch.equal(residual, c - 3 * share.float())
+        assert residual[0] == 65504.0 - 3 * 21808.0
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5, 0.999])
+def test_randomk_sends_exactly_k_distinct_positions_shared_and_new_each_step(ratio):
+    """k = ceil(ratio * numel) distinct positions (drawn by distinct draws at 0.1, a
+    permutation at 0.5, their complement at 0.999), the same on every worker, other ones at
+    the next step; through the reducer, the average is non-zero at exactly k positions, the
+    same on every worker, and there it is the exact mean."""
+    numel = 37_000
+    k = math.ceil(ratio * numel)
+    x = torch.randn(numel, generator=_gen())
+    chosen = []
+    for step in range(2):
+        workers = [RandomK(ratio=ratio, seed=5).for_worker(w) for w in range(3)]
+        for c in workers:
+            c.set_step(step)
+        payloads = [c.compress(x, "w") for c in workers]
+        indices = payloads[0].indices
+        assert indices.numel() == k == torch.unique(indices).numel()
+        assert all(torch.equal(p.indices, indices) for p in payloads)
+        assert torch.equal(payloads[0].values, x[indices])
+        chosen.append(set(indices.tolist()))
+    assert chosen[0] != chosen[1]
+
+    def worker(comm):
+        g = torch.randn(numel, generator=_gen(comm.rank)) + 5  # never 0
+        CompressedReducer(comm, RandomK(ratio=ratio, seed=5)).reduce([("w", g)], step=0)
+        return g
+
+    results = SimWorld(3).run(worker)
+    mean = sum(torch.randn(numel, generator=_gen(r)) + 5 for r in range(3)) / 3
+    sent = results[0] != 0
+    assert int(sent.sum()) == k
+    assert set(sent.nonzero().view(-1).tolist()) == chosen[0]
+    assert all(torch.equal(g, results[0]) for g in results)
+    assert torch.allclose(results[0][sent], mean[sent], rtol=1e-6)
+
+
+@pytest.mark.parametrize("numel, k", [(16, 2), (8, 4), (16, 15)],
+                         ids=["draws", "permutation", "complement"])
+def test_randomk_positions_are_a_uniform_k_subset(numel, k):
+    """Over many steps every k-subset comes up about equally often (a chi-square statistic
+    within six standard deviations of its mean), on each way of drawing it: a uniform random
+    k-subset, not the smallest positions of a larger draw."""
+    from collections import Counter
+
+    from gossamer.compress.base import seeded_generator
+    from gossamer.compress.sparse import random_positions
+
+    subsets = math.comb(numel, k)
+    draws = 40 * subsets
+    counts = Counter(tuple(random_positions(numel, k, seeded_generator(1, "w", s)).tolist())
+                     for s in range(draws))
+    assert all(len(subset) == k == len(set(subset)) for subset in counts)
+    assert len(counts) == subsets
+    expected = draws / subsets
+    chi2 = sum((c - expected) ** 2 / expected for c in counts.values())
+    df = subsets - 1
+    assert chi2 <= df + 6 * math.sqrt(2 * df), chi2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_nbytes_are_the_bytes_packed(dtype):
+    """A payload's ``nbytes`` is what it puts on the wire, in the dtype it is sent in: QSGD's
+    norms are float64 for a float64 tensor (8 bytes each), LowBit's ``float32`` format sends a
+    float64 vector as float64."""
+    from gossamer.compress.lowbit import PRECISIONS, LowBit
+
+    x = torch.randn(4096 + 7, generator=_gen(), dtype=dtype)
+    for compressor in (QSGD(levels=7, bucket_size=512), TopK(ratio=0.01), RandomK(ratio=0.01),
+                       FP16(), NoCompression()):
+        payload = compressor.compress(x, "w")
+        assert -(-payload.nbytes // 4) * 4 == payload.to_bytes().numel(), compressor
+    q = QSGD(levels=7, bucket_size=512).compress(x, "w")
+    assert q.nbytes == q.norms.numel() * dtype.itemsize + q.codes.numel()
+    for precision in PRECISIONS:
+        codec = LowBit(precision)
+        sent = codec.encode(x)
+        assert codec.nbytes(x.numel(), dtype) == sent.numel() * sent.element_size(), precision

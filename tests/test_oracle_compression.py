@@ -51,20 +51,20 @@ DECAY = 0.01
 ATOL = 1e-6
 
 
-def _data(rank: int, step: int, d_in: int, d_out: int, rows: int = ROWS
+def _data(rank: int, step: int, d_in: int, d_out: int, rows: int = ROWS, scale: float = 1.0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Worker ``rank``'s batch at ``step``: inputs ``(rows, d_in)`` and targets, which differ
-    in scale between workers."""
+    in scale between workers (all of them times ``scale``)."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     a = torch.randn(rows, d_in, generator=g, dtype=torch.float64)
-    b = torch.randn(rows, d_out, generator=g, dtype=torch.float64) * (rank + 1)
+    b = torch.randn(rows, d_out, generator=g, dtype=torch.float64) * (rank + 1) * scale
     return a, b
 
 
-def _grad_fn(d_in: int, d_out: int) -> oracle.GradFn:
+def _grad_fn(d_in: int, d_out: int, scale: float = 1.0) -> oracle.GradFn:
     """The gradient of ``0.5 ||a W^T + c - b||^2 / ROWS``, by hand."""
     def grad(rank: int, step: int, x: oracle.Params) -> oracle.Params:
-        a, b = _data(rank, step, d_in, d_out)
+        a, b = _data(rank, step, d_in, d_out, scale=scale)
         r = a @ x["weight"].T + x["bias"] - b
         return {"weight": r.T @ a / ROWS, "bias": r.sum(0) / ROWS}
     return grad
@@ -95,8 +95,10 @@ class Sgd:
 
 def run_library(algorithm, sgd: Sgd, steps: int, *, d_in: int = 12, d_out: int = 8,
                 rows: int = ROWS, dtype: torch.dtype = torch.float64, inspect=None,
-                schedule=None, schedule_first: bool = True):
-    """``trajectory[k][w]``: worker w's parameters after step k + 1 in SimWorld;
+                schedule=None, schedule_first: bool = True, workers: int = WORKERS,
+                scale: float = 1.0):
+    """``trajectory[k][w]``: worker w's parameters after step k + 1 in SimWorld (of
+    ``workers``, targets times ``scale``);
     ``inspect(optimizer)`` runs after every step of every worker (its results are returned
     per worker). ``schedule(sgd)``: a learning-rate scheduler of the SGD, stepped after every
     step, built before ``gossamer.distribute`` (``schedule_first``) or after it."""
@@ -114,7 +116,7 @@ def run_library(algorithm, sgd: Sgd, steps: int, *, d_in: int = 12, d_out: int =
             scheduler = schedule(built)
         out, seen = [], []
         for step in range(steps):
-            a, b = _data(comm.rank, step, d_in, d_out, rows)
+            a, b = _data(comm.rank, step, d_in, d_out, rows, scale)
             opt.zero_grad()
             (0.5 * (model(a.to(dtype)) - b.to(dtype)).pow(2).sum() / rows).backward()
             opt.step()
@@ -125,15 +127,15 @@ def run_library(algorithm, sgd: Sgd, steps: int, *, d_in: int = 12, d_out: int =
                 seen.append(inspect(opt))
         return out, seen
 
-    results = SimWorld(WORKERS).run(worker)
-    trajectory = [[results[w][0][k] for w in range(WORKERS)] for k in range(steps)]
+    results = SimWorld(workers).run(worker)
+    trajectory = [[results[w][0][k] for w in range(workers)] for k in range(steps)]
     return trajectory, [r[1] for r in results]
 
 
 def distance(a, b) -> float:
     """The largest difference between two trajectories, over steps, workers and entries."""
     return max(float((x[w][k] - y[w][k]).abs().max())
-               for x, y in zip(a, b, strict=True) for w in range(WORKERS) for k in x[w])
+               for x, y in zip(a, b, strict=True) for w in range(len(x)) for k in x[w])
 
 
 STEPS = 12
@@ -171,6 +173,12 @@ CASES = {
                 lambda s: ef(oracle.random_k(0.25, seed=3), s)),
     "randomk-without-ef": (RandomKAllReduce(ratio=0.25, error_feedback=False), Sgd(),
                            lambda s: ef(oracle.random_k(0.25, seed=0), s, False)),
+    # k <= numel / 4 (above): distinct uniform draws; half: a permutation's first k; 0.95: the
+    # positions left out are drawn
+    "randomk-half": (RandomKAllReduce(ratio=0.5, seed=2), Sgd(),
+                     lambda s: ef(oracle.random_k(0.5, seed=2), s)),
+    "randomk-most": (RandomKAllReduce(ratio=0.95, seed=2), Sgd(),
+                     lambda s: ef(oracle.random_k(0.95, seed=2), s)),
     "qsgd": (QSGDAllReduce(levels=3, bucket_size=16), Sgd(),
              lambda s: ef(oracle.qsgd(3, 16, seed=0), s, False)),
     "qsgd-ef": (QSGDAllReduce(levels=7, bucket_size=32, error_feedback=True, seed=5), Sgd(),
@@ -241,6 +249,34 @@ def test_dgc_threshold_selection_matches_oracle(max_adaptations):
     seen = {s for worker in seen for s in worker}
     assert {path for path, _ in seen} == {"threshold", "refined"}
     assert any(adaptations for _, adaptations in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_follows_ddp_on_three_workers_near_float16s_top(dtype):
+    """Three workers (the division by 3 rounds in the narrow type) and gradients in the tens of
+    thousands, whose float16 sum passes 65504 where their average fits: the library casts,
+    divides by n in the narrow type and sums the shares, as DDP's ``fp16_compress_hook`` does,
+    and matches that oracle step by step, with and without error feedback, finite throughout
+    (summed first and divided afterwards, float16's sum would be inf)."""
+    workers, scale, sgd, steps = 3, 1.8e4, Sgd(lr=1e-6), 6
+    grad = _grad_fn(12, 8, scale)
+    grads = [grad(w, 0, X0)["weight"] for w in range(workers)]
+    peak = float(max(g.abs().max() for g in grads))
+    assert float(sum(grads).abs().max()) > 65504 > float((sum(grads) / workers).abs().max())
+    assert peak < 65504  # every worker's value fits: nothing is clamped
+    for memory in (None, ErrorFeedback()):
+        compressor = FP16() if dtype == torch.float16 else BF16()
+        got, _ = run_library(AllReduce(compressor=compressor, memory=memory), sgd, steps,
+                             workers=workers, scale=scale)
+        want = oracle.ef_sgd(X0, grad, oracle.half_precision(dtype), workers=workers,
+                             steps=steps, lr=sgd.lr, momentum=sgd.momentum,
+                             weight_decay=sgd.weight_decay, error_feedback=memory is not None)
+        assert all(bool(torch.isfinite(t).all()) for x in got for xw in x for t in xw.values())
+        assert distance(got, want) <= 1e-12, memory
+        exact = oracle.ef_sgd(X0, grad, oracle.dense(), workers=workers, steps=steps,
+                              lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay,
+                              error_feedback=False)
+        assert distance(want, exact) > 1e-9  # the narrow type's rounding shows
 
 
 # -- invariants -------------------------------------------------------------------------------

@@ -23,10 +23,10 @@ e = p - delta``), whose ``e`` is ``lr`` times this one. Without error feedback `
 The compressors, for one tensor ``p`` (flattened) of one worker:
 
 - top-k (Aji & Heafield 2017): the ``k = ceil(ratio * numel)`` entries of largest magnitude;
-- random-k (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018): the entries at ``k``
-  positions drawn uniformly with replacement and deduplicated, the same on every worker, from a
-  generator seeded by ``(seed, name, step)`` (the seed is replayed here, see
-  :func:`seeded_generator`);
+- random-k (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018, ``rand_k``): the entries
+  at ``k`` distinct positions, a uniform random k-subset (drawn without replacement), the same
+  on every worker, from a generator seeded by ``(seed, name, step)`` (the seed and the draws
+  are replayed here, see :func:`seeded_generator` and :func:`random_subset`);
 - QSGD (Alistarh et al., NeurIPS 2017, Section 3.1, the stochastic quantizer
   ``Q_s(v_i) = ||v||_2 sgn(v_i) xi_i(v, s)`` with ``xi_i = (l + 1) / s`` with probability
   ``s |v_i| / ||v|| - l`` and ``l / s`` otherwise, ``l = floor(s |v_i| / ||v||)``), over buckets
@@ -39,8 +39,12 @@ The compressors, for one tensor ``p`` (flattened) of one worker:
   by ``(seed, name, step)`` and, with warm start, the next step starts from this step's ``Q``.
   Vectors, and matrices whose factors would not be smaller (``(n0 + m) r >= n0 m``), are
   averaged dense;
-- fp16 / bf16: every entry rounded to the narrow type, the workers' messages summed in that
-  type in rank order (as an all-reduce of the narrow tensors does), then divided by n.
+- fp16 / bf16, in the order of DDP's ``fp16_compress_hook`` (``buffer.to(dtype).div_(n)``,
+  then an all-reduce): every entry cast to the narrow type (clamped to its range), divided by
+  n in that type, clamped to :func:`share_limit` so that the sum cannot overflow, and the
+  workers' shares summed in that type in rank order (as an all-reduce of the narrow tensors
+  does): the sum is the average. What a worker sent, for its error feedback, is n times its
+  share.
 
 Values travel in the model's precision (float64 here) unless a compressor narrows them (fp16
 values, the fp16 and bf16 compressors): :func:`wire` rounds them so. Tensors a compressor does
@@ -99,11 +103,9 @@ def selected_count(ratio: float, numel: int) -> int:
 
 
 def wire(t: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``t`` as it travels in ``dtype``, back in float64 (float16 clamped to its range)."""
-    if dtype == torch.float16:
-        limit = torch.finfo(torch.float16).max
-        t = t.clamp(-limit, limit)
-    return t.to(dtype).to(torch.float64)
+    """``t`` as it travels in ``dtype``, back in float64 (clamped to the range of ``dtype``)."""
+    limit = torch.finfo(dtype).max
+    return t.clamp(-limit, limit).to(dtype).to(torch.float64)
 
 
 def sgd_step(x: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor, *, lr: float,
@@ -153,16 +155,49 @@ def top_k(ratio: float, fp16_values: bool = False) -> Exchange:
     return exchange
 
 
+def random_subset(numel: int, k: int, generator: torch.Generator) -> list[int]:
+    """``k`` distinct positions of ``range(numel)``, a uniform random subset, with the
+    library's draws replayed: the smaller of the subset and its complement (``m`` positions)
+    is drawn, and the complement's complement taken.
+
+    - ``m <= numel / 4``: uniform draws with replacement, in batches of ``torch.randint`` of
+      ``need + need * (have + need) // (numel - have - need) + 16`` (``have`` distinct so far,
+      ``need`` more wanted), until at least ``m`` distinct ones; then a uniform random ``m`` of
+      them: the first ``distinct - m`` places of a ``torch.randperm`` over the distinct values,
+      in ascending order, are dropped;
+    - else the first ``m`` of ``torch.randperm(numel)``.
+    """
+    m = min(k, numel - k)
+    if m == 0:
+        return list(range(k))
+    if 4 * m <= numel:
+        distinct: set[int] = set()
+        while len(distinct) < m:
+            have, need = len(distinct), m - len(distinct)
+            batch = need + need * (have + need) // max(1, numel - have - need) + 16
+            distinct.update(torch.randint(numel, (batch,), generator=generator).tolist())
+        picked = sorted(distinct)
+        if len(picked) > m:
+            dropped = set(torch.randperm(len(picked), generator=generator)[:len(picked) - m]
+                          .tolist())
+            picked = [v for i, v in enumerate(picked) if i not in dropped]
+    else:
+        picked = torch.randperm(numel, generator=generator)[:m].tolist()
+    if m == k:
+        return sorted(picked)
+    left_out = set(picked)
+    return [i for i in range(numel) if i not in left_out]
+
+
 def random_k(ratio: float, seed: int) -> Exchange:
-    """The entries at positions every worker draws alike, from ``(seed, name, step)``."""
+    """The entries at ``k`` distinct positions every worker draws alike, from
+    ``(seed, name, step)``."""
     def exchange(name: str, step: int, ps: list[torch.Tensor]):
         numel = ps[0].numel()
         k = selected_count(ratio, numel)
-        if k == numel:
-            chosen = torch.arange(numel)
-        else:
-            draws = torch.randint(numel, (k,), generator=seeded_generator(seed, name, step))
-            chosen = torch.unique(draws)
+        chosen = torch.tensor(random_subset(numel, k, seeded_generator(seed, name, step)),
+                              dtype=torch.int64)
+        assert chosen.numel() == k
         sent = []
         for p in ps:
             s = torch.zeros(numel, dtype=p.dtype)
@@ -238,15 +273,29 @@ def power_sgd(rank: int, seed: int, warm_start: bool = True) -> Exchange:
     return exchange
 
 
+def share_limit(dtype: torch.dtype, n: int) -> float:
+    """The largest value of ``dtype`` at most ``max / (n (1 + eps / 2) ** (n - 1))``: n shares
+    of at most this magnitude add up, rounding after each addition, to at most ``max``."""
+    info = torch.finfo(dtype)
+    bound = info.max / (n * (1 + info.eps / 2) ** (n - 1))
+    limit = torch.tensor(bound, dtype=torch.float64).to(dtype)
+    while float(limit) > bound:
+        limit = torch.nextafter(limit, torch.zeros_like(limit))
+    return float(limit)
+
+
 def half_precision(dtype: torch.dtype) -> Exchange:
-    """Every entry rounded to ``dtype`` (float16 or bfloat16), summed in ``dtype`` in rank
-    order (an all-reduce of the narrow tensors), then divided by n in float32."""
+    """DDP's ``fp16_compress_hook`` (``bf16_compress_hook``): every entry cast to ``dtype``,
+    then divided by n in ``dtype`` (and clamped to :func:`share_limit`); the shares summed in
+    ``dtype`` in rank order (an all-reduce of the narrow tensors) are the average."""
     def exchange(name: str, step: int, ps: list[torch.Tensor]):
-        narrow = [wire(p, dtype).to(dtype) for p in ps]
-        total = narrow[0].clone()
-        for t in narrow[1:]:
+        n = len(ps)
+        limit = share_limit(dtype, n)
+        shares = [(wire(p, dtype).to(dtype) / n).clamp(-limit, limit) for p in ps]
+        total = shares[0].clone()
+        for t in shares[1:]:
             total = total + t
-        return [t.double() for t in narrow], total.double() / len(ps)
+        return [n * t.double() for t in shares], total.double()
     return exchange
 
 

@@ -72,10 +72,11 @@ class LowBit:
             q = torch.stack([data & 15, data >> 4], dim=1).reshape(-1)[:numel].float() - 8
         return q[:numel] * scale
 
-    def nbytes(self, numel: int) -> int:
-        """Bytes of the payload of ``numel`` elements."""
+    def nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the payload of a vector of ``numel`` elements of ``dtype`` (float32 by
+        default; a float64 vector travels as float64 in ``"float32"``)."""
         if self.precision == "float32":
-            return 4 * numel
+            return (8 if dtype == torch.float64 else 4) * numel
         if self.precision == "bfloat16":
             return 2 * numel
         return 4 + (numel if self.precision == "int8" else (numel + 1) // 2)

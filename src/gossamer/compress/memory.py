@@ -11,6 +11,23 @@ and other Gradient Compression Schemes" (2019). With ``e`` the residual of a ten
 so that ``compensated == sent + e`` holds after every step, up to one rounding of ``e`` (kept in
 float32, or float64 for a float64 model).
 
+**Units.** The residual is in gradient units: it is added to the gradient before the learning
+rate, and the optimizer applies ``lr`` to the average later, as in Vogels et al., "PowerSGD"
+(NeurIPS 2019), Algorithm 2, in their code (epfml/powersgd) and in torch's ``powerSGD_hook``.
+Stich et al., "Sparsified SGD with Memory" (2018), Algorithm 1, and Karimireddy et al. (2019),
+Algorithm 2, keep it in parameter units instead (``p_t = lr_t g_t + e_t``, the step is what is
+sent). The two are the same at a constant learning rate (for a compressor that commutes with
+scaling: top-k, random-k, PowerSGD; the papers' residual is ``lr`` times this one). Under a
+schedule they differ: here a residual built while the rate was ``lr_old`` is applied at the
+rate of the step that finally sends it, so after a decay the delayed part of the gradient moves
+the parameters less than it would have when it was computed (while a warm-up raises the rate,
+more); in parameter units it keeps its own rate. Gradient units are kept because the memory
+sits between the backward pass and any ``torch.optim`` optimizer (momentum, Adam, weight decay,
+any scheduler) and does not need to know the learning rate: the compressed average replaces
+the gradient, and the optimizer does what it does with an uncompressed one. Nothing rescales
+the residual when the rate changes: with a step decay, whatever the residual holds at the drop
+is applied at the new rate.
+
 Example::
 
     AllReduce(compressor=TopK(ratio=0.01), memory=ErrorFeedback())

@@ -106,10 +106,13 @@ class _ValuesPayload(Payload):
 
 @dataclass(frozen=True)
 class DensePayload(_ValuesPayload):
-    """Every element, possibly in a narrower dtype (fp16, bf16)."""
+    """Every element, possibly in a narrower dtype (fp16, bf16), divided by ``divisor``: a
+    share of an average over that many workers, which the all-reduce sums (1: the tensor
+    itself). The divisor is known to every worker and does not travel."""
 
     values: torch.Tensor  # flat
     shape: torch.Size
+    divisor: int = 1
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ class QuantizedPayload(Payload):
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.norms.numel() + self.codes.numel()
+        return self.norms.numel() * self.norms.element_size() + self.codes.numel()
 
     def to_bytes(self) -> torch.Tensor:
         return _padded([self.norms, self.codes])

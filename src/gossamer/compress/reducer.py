@@ -4,7 +4,10 @@
 compressor) and the DDP hooks of :mod:`gossamer.hooks.compression`, so both compute the same
 thing. For each bucket of tensors it makes one collective per round:
 
-- ``"allreduce"``: the payloads' flat wires are concatenated and all-reduced (summed);
+- ``"allreduce"``: the payloads' flat wires are concatenated and all-reduced (summed), and
+  the sum decompressed and divided by the world size; fp16 and bf16 send each worker's share
+  of the average instead (divided before the sum, as DDP's ``fp16_compress_hook``), so that the
+  narrow sum does not overflow where the average fits (:mod:`gossamer.compress.cast`);
 - ``"allgather"``: the payloads are packed into one uint8 tensor (an int32 header of their
   lengths, then their bytes) and all-gathered, sizes differing per worker (a worker that
   selects nothing sends only the header); each worker decodes and adds everyone's.
@@ -35,7 +38,7 @@ import torch
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation, value_dtype
-from gossamer.compress.cast import NoCompression
+from gossamer.compress.cast import FP16, NoCompression
 from gossamer.compress.payloads import (
     DensePayload,
     Payload,
@@ -202,7 +205,13 @@ class CompressedReducer:
 
     def _all_reduce(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         compressor, n = self.compressor, self.cross.world_size
-        payloads: list[Payload] = [compressor.compress(c, key) for key, c in run]
+        if isinstance(compressor, FP16):
+            # each worker's share of the average, cast then divided by n as DDP's
+            # fp16_compress_hook: the narrow sum is the average, in range where it is
+            payloads: list[Payload] = [compressor.compress(c, key, world_size=n)
+                                       for key, c in run]
+        else:
+            payloads = [compressor.compress(c, key) for key, c in run]
         summed: list[Payload] = []
         for r in range(compressor.rounds):
             if r:
@@ -216,6 +225,9 @@ class CompressedReducer:
                 rider.copy_(sums.pop())
             summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
         self._update(run, payloads)
+        if isinstance(compressor, FP16):
+            return [compressor.decompress_average(s, key)
+                    for s, (key, _) in zip(summed, run, strict=True)]
         return [compressor.decompress_sum(s, key).div_(n)
                 for s, (key, _) in zip(summed, run, strict=True)]
 
