@@ -9,6 +9,7 @@ from torch import nn
 
 import gossamer
 from gossamer.algorithms import DPSGD, WAGMA
+from gossamer.algorithms.wagma import WAGMARuntime
 from gossamer.comm import ComputeModel, SimWorld
 from gossamer.train.config import TrainConfig
 from gossamer.train.loop import run_training
@@ -193,6 +194,138 @@ def test_train_on_digits():
     assert result["eval_accuracy"] >= 0.85
 
 
+# ---------------------------------------------------------------------------- pausing
+
+
+def _steps(opt, model, generator, steps: int) -> None:
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,),
+                                                                      generator=generator)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _paused_midway(comm, pause: bool):
+    """Six steps with equal speeds (round 3, the next after three steps, is a global one);
+    with ``pause``, a pause after the third (twice). Returns what the pause changed."""
+    model = _model()
+    opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                              WAGMA(group_size=2, tau=1, allreduce_every=4,
+                                    average_at_end=False), comm)
+    runtime, g = opt.runtime, torch.Generator().manual_seed(comm.rank)
+    _steps(opt, model, g, 3)
+    before = (_flat(model), runtime.round, runtime.synchronizations,
+              {m: sorted(known) for m, known in runtime.models.items()})
+    sent = comm.stats.total_bytes_sent
+    if pause:
+        runtime.pause()
+        sent = comm.stats.total_bytes_sent
+        runtime.pause()  # after the same step: nothing more
+    again = comm.stats.total_bytes_sent - sent
+    after = (_flat(model), runtime.round, runtime.synchronizations,
+             {m: sorted(known) for m, known in runtime.models.items()})
+    _steps(opt, model, g, 3)
+    opt.finish()
+    return before, after, again, _flat(model), runtime.synchronizations
+
+
+def test_a_pause_with_no_worker_in_a_global_round_averages_nothing():
+    """The pause's all-reduce is then only the workers' agreement: parameters, round, the
+    models kept and the count of synchronisations stay as they were, and the run goes on
+    exactly as one without the pause."""
+    paused = SimWorld(4).run(_paused_midway, True)
+    straight = SimWorld(4).run(_paused_midway, False)
+    for (before, after, again, final, syncs), other in zip(paused, straight, strict=True):
+        assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+        assert again == 0
+        assert torch.equal(final, other[3]) and syncs == other[4] == 1
+    assert not torch.equal(paused[0][3], paused[1][3])  # distinct replicas: nothing averaged
+
+
+def test_paused_workers_take_part_in_a_global_round_that_a_worker_is_in():
+    """Rank 1 runs ahead into global round 3 and waits there for the others: they finish
+    their step (round 2), pause, and join round 3 with their current parameters, which they
+    then hold; rank 1 applies its gradient to that same average."""
+    def worker(comm):
+        model = _model()
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                  WAGMA(group_size=2, tau=1, allreduce_every=4), comm)
+        runtime, g = opt.runtime, torch.Generator().manual_seed(comm.rank)
+        _steps(opt, model, g, 2)
+        if comm.rank == 1:
+            runtime.round += 1  # its next round is the global round 3
+        runtime.events = []
+        start = _flat(model)  # rank 1's model for round 3
+        _steps(opt, model, g, 1)
+        stepped = _flat(model)
+        runtime.pause()
+        return (start, stepped, _flat(model), runtime.round, runtime.synchronizations,
+                runtime.events)
+
+    results = SimWorld(4).run(worker)
+    assert [r[5][0][1:3] for r in results] == [(2, "group"), (3, "global"), (2, "group"),
+                                               (2, "group")]
+    paused = [results[i] for i in (0, 2, 3)]
+    mean = torch.stack([r[1] for r in paused] + [results[1][0]]).mean(0)
+    assert all(torch.allclose(r[2], mean, atol=1e-6, rtol=0) for r in paused)
+    assert all(torch.equal(r[2], paused[0][2]) for r in paused)  # the same average on each
+    assert torch.equal(results[1][1], results[1][2])  # rank 1 paused after its own step
+    assert not torch.allclose(results[1][2], mean, atol=1e-6)  # ... its gradient applied
+    assert all(r[3] == 4 and r[4] == 1 for r in results)  # round 3 done once, by everybody
+
+
+@pytest.mark.parametrize("options", [
+    {"tau": "0"},  # synchronous: nothing to pause
+    {"tau": "1", "allreduce_every": "5"},
+    {"tau": "2", "allreduce_every": "0", "group_size": "2"},
+])
+def test_evaluating_changes_neither_the_training_nor_its_counted_traffic(options):
+    """With equal speeds an evaluation every 5 steps leaves the run as one evaluated only
+    at the end: the same parameters on every worker, bytes, messages and synchronisations
+    (the pause of an asynchronous run is the evaluation's, not counted)."""
+    def run(every: int):
+        finals = {}
+        original = WAGMARuntime.finish
+
+        def finish(runtime):
+            original(runtime)
+            finals[runtime.comm.rank] = runtime.read_parameters()
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(WAGMARuntime, "finish", finish)
+            result = run_training(TrainConfig(
+                sim=4, steps=20, eval_every=every, quiet=True, algorithm="wagma",
+                options={**options, "average_at_end": "false"}))
+        return result, finals
+
+    (once, first), (often, second) = run(0), run(5)
+    assert len(often["history"]) == 4 and len(once["history"]) == 1
+    for key in ("bytes_sent", "messages_sent", "synchronizations", "eval_loss",
+                "consensus_distance_before_finish"):
+        assert once[key] == often[key], key
+    assert all(torch.equal(first[r], second[r]) for r in range(4))
+    assert not torch.equal(first[0], first[1])  # replicas apart: nothing averaged them
+
+
+def test_the_consensus_distance_before_finish_is_the_drift_before_settling(monkeypatch):
+    """finish() settles before it measures; settling averages nothing (no worker is in a
+    global round), so the figure is the replicas' drift after the last step, not 0."""
+    seen = []
+    original = WAGMARuntime.settle
+
+    def settle(runtime, restart=False):
+        if runtime.open and not seen:  # the first settle: finish()'s, collective
+            seen.append(gossamer.metrics.consensus_distance(runtime.model, runtime.comm))
+        original(runtime, restart)
+
+    monkeypatch.setattr(WAGMARuntime, "settle", settle)
+    result = run_training(TrainConfig(sim=4, steps=25, eval_every=0, quiet=True,
+                                      algorithm="wagma", options={"allreduce_every": "10"}))
+    assert result["synchronizations"] == 3  # rounds 9 and 19, and the average at the end
+    assert seen[0] > 0 and result["consensus_distance_before_finish"] == seen[0]
+
+
 @pytest.mark.slow
 def test_evaluations_and_checkpoints_pause_and_resume(tmp_path, monkeypatch):
     """Evaluation and checkpoints pause the rounds; resume continues the run."""
@@ -238,3 +371,42 @@ def test_wagma_does_not_wait_for_the_straggler_on_gloo():
         fast = results[rank][0][-1] - results[rank][0][0]
         assert fast < 0.6 * slow, (rank, fast, slow)
     assert max(age for _, _, stats in results for age in stats["ages"]) <= 3
+
+
+def test_a_resumed_run_skips_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """Whether a worker waited in its last round decides whether its next may skip to the
+    front: the checkpoint keeps it. A 3x straggler in groups of 2 (it skips, the others
+    wait), a checkpoint at step 10 and a crash at step 15: the resumed run is the same."""
+    from resume_helpers import straight_and_resumed
+
+    from gossamer.train import checkpoint as ckpt
+
+    straight, stopped, _ = straight_and_resumed(
+        monkeypatch, tmp_path, 15, sim=4, steps=20, eval_every=10, checkpoint_every=10,
+        stragglers=("3:3",), algorithm="wagma", quiet=True,
+        options={"group_size": "2", "tau": "1", "allreduce_every": "0",
+                 "average_at_end": "false"})
+    at_10 = ckpt.latest_checkpoint(straight).parent / "step-00000010"
+    assert any(ckpt.safe_load(at_10 / f"rank-{r:05d}.pt")["algorithm"]["waited"]
+               for r in range(4))  # some worker had waited in its last round there
+    for rank in range(4):
+        a = ckpt.safe_load(ckpt.latest_checkpoint(straight) / f"rank-{rank:05d}.pt")
+        b = ckpt.safe_load(ckpt.latest_checkpoint(stopped) / f"rank-{rank:05d}.pt")
+        for key in ("round", "rounds_skipped", "waits"):
+            assert a["algorithm"][key] == b["algorithm"][key], (rank, key)
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), (rank, key)
+    assert a["algorithm"]["rounds_skipped"] > 0  # the straggler (rank 3) skipped
+
+
+def test_a_checkpoint_from_before_waited_was_saved_loads_as_not_waited():
+    def worker(comm):
+        model = _model()
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                  WAGMA(group_size=2, tau=1), comm)
+        state = opt.runtime.state_dict()
+        opt.runtime._waited = True
+        opt.runtime.load_state_dict({k: v for k, v in state.items() if k != "waited"})
+        return "waited" in state, opt.runtime._waited
+
+    assert SimWorld(2).run(worker) == [(True, False), (True, False)]

@@ -82,6 +82,8 @@ from gossamer.topology import Topology
 _DATA = 0  # a model published for a round
 _HOLD = 1  # the sender pauses (evaluation, checkpoint, end): use these until it publishes
 _CLOSE = 2  # the sender closes the channel (settle); the parameters are its current ones
+# (neither is a model published for a round: they are kept apart from ``models``, so that a
+# pause leaves the rounds after it as they would have been)
 _TRAILER = 32  # bytes after the parameters: stamp, kind, acknowledgement, until (int64 each)
 _INITIAL = 0  # the stamp of the initial parameters: round 0's model, equal on every worker
 
@@ -191,13 +193,15 @@ class WAGMARuntime(GossipRuntime):
         # internal state
         self.round = 0  # the next round this worker executes
         self._waited = False  # whether the last group average waited for a member
+        self._paused_at: int | None = None  # the step after which this worker last paused
         initial = self.read_parameters()  # equal on every worker (distribute broadcasts)
         #: per partner, the models it published that may still be averaged: first round
         #: -> (last round it is the partner's model for, the model). A model is published
         #: for one round, or, when its owner skips rounds, for each round it skipped
         self.models: dict[int, dict[int, tuple[int, torch.Tensor]]] = {
             m: {_INITIAL: (_INITIAL, initial)} for m in self.partners}
-        self.held: set[int] = set()  # partners paused (see pause()) at their latest parameters
+        #: partners paused (see pause()): their round and current parameters
+        self.held: dict[int, tuple[int, torch.Tensor]] = {}
         # receives posted for each open partner, oldest first: tau + 1 of them, so that a
         # worker busy computing can receive as many rounds as others may run ahead
         self.window = config.tau + 1
@@ -271,10 +275,11 @@ class WAGMARuntime(GossipRuntime):
         else:
             self.posted[peer].append(self.comm.exchange({}, [peer], recv_like=self._like))
         if kind == _HOLD:  # paused: these are its current parameters until it resumes
-            self.held.add(peer)
-        known = self.models[peer]
-        if stamp not in known or until >= known[stamp][0]:  # not older than what we hold
-            known[stamp] = (until, x)
+            self.held[peer] = (stamp, x)
+        elif kind == _DATA:
+            known = self.models[peer]
+            if stamp not in known or until >= known[stamp][0]:  # not older than what we hold
+                known[stamp] = (until, x)
         self._release(peer)
 
     def _newest(self, peer: int) -> tuple[int, torch.Tensor]:
@@ -407,9 +412,8 @@ class WAGMARuntime(GossipRuntime):
                     self._take(m)
                     found = self._model_for(m, q)
             if m in self.held and not _within(found, 0):
-                # paused before round q: its newest parameters are its current ones
-                stamp = max(self.models[m])
-                age, contribution = 0, self.models[m][stamp][1]
+                # paused before round q: its current parameters
+                age, (stamp, contribution) = 0, self.held[m]
             else:
                 age, stamp, contribution = found
             stamps[m], ages[m] = stamp, age
@@ -433,11 +437,15 @@ class WAGMARuntime(GossipRuntime):
 
     def _global_average(self, x: torch.Tensor, q: int, done: bool) -> tuple[torch.Tensor, bool]:
         """Round ``q``'s exact average of all; ``done`` says this worker is paused. Returns
-        the average and whether every worker was paused."""
+        the average and whether every worker was paused: then no worker executes round
+        ``q`` (the all-reduce was only the pause's agreement) and ``x`` comes back as it was,
+        the round not taken."""
         if self.asynchronous:  # one more element: the fraction of paused workers
             buffer = torch.cat([x, x.new_tensor([1.0 if done else 0.0])])
             self.comm.all_reduce(buffer, op="mean")
-            x, all_done = buffer[:-1], bool(buffer[-1] == 1.0)
+            if bool(buffer[-1] == 1.0):
+                return x, True
+            x, all_done = buffer[:-1], False
             for m in self.partners:  # every partner now holds exactly x
                 self.models[m] = {q: (q, x)}
         else:
@@ -452,28 +460,38 @@ class WAGMARuntime(GossipRuntime):
     def pause(self) -> None:
         """Bring every worker to a halt before a collective indexed by steps (evaluation,
         checkpoint, end), which would otherwise interleave with the rounds of workers that
-        are rounds behind or ahead. Collective: every worker calls it after the same step.
+        are rounds behind or ahead. Collective: every worker calls it after the same step;
+        a second call after the same step does nothing.
 
         The partners are told to use this worker's current parameters meanwhile (a hold
-        message), so that nobody waits for a paused worker; with global rounds, paused
-        workers take part in them until every worker has paused. At the end every hold
-        message has been taken and every worker resumes as an ordinary member.
+        message), so that nobody waits for a paused worker. With global rounds the paused
+        workers agree in an all-reduce shaped as a global round's (a worker may be blocked
+        in one, waiting for the others): while some worker is still in a global round, the
+        paused ones take part in it with their current parameters and adopt its average
+        (that round comes early for them); once all have paused, the last all-reduce is
+        only the agreement and changes nothing. So a pause averages nothing unless a worker
+        was in a global round. At the end every hold message has been taken and every
+        worker resumes as an ordinary member, its round and the models it keeps as they were
+        (but for a global round it joined).
         """
-        if not self.open:  # synchronous, or settled already
+        if not self.open or self._paused_at == self.step:  # synchronous, settled, or paused
             return
         x = self.read_parameters()
         self._send(x, self.round, _HOLD, self.partners)
         if self.config.allreduce_every:
-            all_done = False
+            joined, all_done = False, False
             while not all_done:
-                x, all_done = self._global_average(x, self._next_global(), done=True)
-            self.write_parameters(x)
+                y, all_done = self._global_average(x, self._next_global(), done=True)
+                joined, x = joined or not all_done, y
+            if joined:
+                self.write_parameters(x)
         else:
             self.comm.barrier()
         for peer in self.partners:
             while peer not in self.held:  # everything it sent before pausing
                 self._take(peer)
         self.held.clear()
+        self._paused_at = self.step
 
     @torch.no_grad()
     def settle(self, restart: bool = False) -> None:
@@ -541,6 +559,7 @@ class WAGMARuntime(GossipRuntime):
         self.models = {m: {self.round: (self.round, x)} for m in self.partners}
         self.held.clear()
         self._waited = False
+        self._paused_at = None
         if self.asynchronous and not rebound:
             self._post_receives()
         elif rebound and sorted(self.posted) != self.partners:
@@ -552,6 +571,7 @@ class WAGMARuntime(GossipRuntime):
         return {**super().state_dict(), "round": self.round,
                 "models": {str(m): {str(k): v for k, v in known.items()}
                            for m, known in self.models.items()},
+                "waited": self._waited,
                 "group_averages": self.group_averages, "rounds_skipped": self.rounds_skipped,
                 "waits": self.waits, "ages": dict(self.ages)}
 
@@ -561,6 +581,10 @@ class WAGMARuntime(GossipRuntime):
         self.models = {int(m): {int(k): (int(until), x.to(self._dtype))
                                  for k, (until, x) in known.items()}
                        for m, known in state["models"].items()}
+        # whether its last round waited decides whether its next may skip (a checkpoint
+        # from before it was saved: False)
+        self._waited = bool(state.get("waited", False))
+        self._paused_at = None  # (rounds may have run since a pause at the loaded step)
         self.group_averages = int(state["group_averages"])
         self.rounds_skipped = int(state["rounds_skipped"])
         self.waits = int(state["waits"])

@@ -181,6 +181,10 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         as due."""
         nonlocal last, window_loss, window_count
         if done == config.steps or (config.eval_every and done % config.eval_every == 0):
+            # halting the exchanges for the evaluation's collectives (WAGMA's rounds) is the
+            # evaluation's cost; what before_eval does to the training (an exact average
+            # under average_before_eval) is the algorithm's
+            excluding(runtime.pause)
             runtime.before_eval()
             last = excluding(measure, comm, config, dataset, model, params, runtime,
                              window_loss / window_count if window_count else math.nan,
@@ -331,6 +335,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
 
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
     sent, messages, clock = counters
+    runtime.pause()  # before any collective of the save (WAGMA: a worker may be in a round)
     if config.checkpoint_format == "dcp":  # each worker's model and state under its rank
         extra = {"sampler": _to_safe(sampler.state_dict()), "rng": torch.get_rng_state(),
                  "offsets": {"bytes": sent, "messages": messages, "time": clock}}
