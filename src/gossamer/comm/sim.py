@@ -947,6 +947,16 @@ class SimComm:
         """From now on this worker's compute takes ``factor`` times as long (virtual time)."""
         self._worker.slowdown = float(factor)
 
+    def simulation_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this simulated worker beyond the training's own state:
+        the generator of its compute model's draws (``jitter``), so that a resumed run draws
+        the step times that a run never interrupted would have drawn."""
+        return {"compute_rng": self._worker.rng.bit_generator.state}
+
+    def load_simulation_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`simulation_state`'s ``state``."""
+        self._worker.rng.bit_generator.state = dict(state["compute_rng"])
+
     def compute_step(self) -> None:
         w = self._worker
         model = self._world.compute

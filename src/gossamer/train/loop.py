@@ -132,6 +132,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             optimizer.load_state_dict({**state["optimizer"], "algorithm": shard["algorithm"]})
         sampler.load_state_dict(shard["sampler"])
         torch.set_rng_state(shard["rng"])
+        if "simulation" in shard and hasattr(comm, "load_simulation_state"):
+            comm.load_simulation_state(shard["simulation"])  # the compute model's draws
         offsets = dict(shard["offsets"])
         # the set-up broadcast was counted before the checkpoint already
         excluded = {"bytes": comm.stats.total_bytes_sent,
@@ -333,12 +335,21 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     return summary
 
 
+def _simulation_state(comm: Communicator) -> dict[str, Any]:
+    """A simulated worker's own state for a checkpoint (its compute model's random draws,
+    ``--jitter``), so that a resumed simulation goes on as the uninterrupted one; nothing on
+    real processes."""
+    state = getattr(comm, "simulation_state", None)
+    return {"simulation": _to_safe(state())} if state is not None else {}
+
+
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
     sent, messages, clock = counters
     runtime.pause()  # before any collective of the save (WAGMA: a worker may be in a round)
     if config.checkpoint_format == "dcp":  # each worker's model and state under its rank
         extra = {"sampler": _to_safe(sampler.state_dict()), "rng": torch.get_rng_state(),
-                 "offsets": {"bytes": sent, "messages": messages, "time": clock}}
+                 "offsets": {"bytes": sent, "messages": messages, "time": clock},
+                 **_simulation_state(comm)}
         dcp.save_dcp_checkpoint(comm, config.run_dir, step, model, optimizer, extra,
                                 keep=config.keep_checkpoints)
         return
@@ -352,6 +363,7 @@ def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> N
         "sampler": _to_safe(sampler.state_dict()),
         "rng": torch.get_rng_state(),
         "offsets": {"bytes": sent, "messages": messages, "time": clock},
+        **_simulation_state(comm),
     }
     state = {"model": model.state_dict(), "optimizer": optimizer_state}
     keep = config.keep_checkpoints
