@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -291,7 +292,7 @@ def _bn_worker(comm, algorithm: LocalSGD, inputs: bool):
     if inputs:
         opt.runtime.training_inputs = lambda count: (
             torch.randn(16, 4, generator=g) + comm.rank for _ in range(count))
-    opt.runtime.before_eval()
+    opt.before_eval()
     return after_average, model[1].running_mean.clone(), _flat(model)
 
 
@@ -314,6 +315,48 @@ def test_batchnorm_statistics_stay_local_and_are_reestimated_before_eval():
         assert torch.equal(r[1], r[0])
 
 
+def test_inside_a_round_the_statistics_are_the_averaged_models():
+    """An evaluation inside a round (1 step of 2) re-estimates BatchNorm statistics with the
+    average of the replicas, the model that is evaluated, and leaves each worker its own
+    parameters."""
+    def worker(comm):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  LocalSGD(period=2), comm)
+        g = torch.Generator().manual_seed(comm.rank)
+        opt.zero_grad()
+        model(torch.randn(16, 4, generator=g) + comm.rank).pow(2).mean().backward()
+        opt.step()
+        inputs = [torch.randn(16, 4, generator=g) * (comm.rank + 1) for _ in range(2)]
+        opt.runtime.training_inputs = lambda count: iter(inputs[:count])
+        before = copy.deepcopy(model.state_dict())
+        opt.before_eval()
+        return before, model.state_dict(), inputs
+
+    results = SimWorld(3).run(worker)
+    params = [k for k in results[0][0] if "running" not in k and "num_batches" not in k]
+    assert not torch.equal(results[0][0]["0.weight"], results[1][0]["0.weight"])  # a round
+    averaged = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    averaged.load_state_dict({**results[0][0], **{
+        k: sum(r[0][k] for r in results) / 3 for k in params}})
+    means, variances = [], []
+    for _, _, inputs in results:  # each worker's estimate with the averaged parameters
+        norm = averaged[1]
+        norm.reset_running_stats()
+        norm.momentum = None
+        averaged.train()
+        for x in inputs[:2]:
+            averaged(x)
+        means.append(norm.running_mean.clone())
+        variances.append(norm.running_var.clone())
+    for before, after, _ in results:
+        for k in params:
+            assert torch.equal(after[k], before[k]), k  # its own parameters again
+        assert torch.allclose(after["1.running_mean"], sum(means) / 3, atol=1e-6)
+        assert torch.allclose(after["1.running_var"], sum(variances) / 3, atol=1e-6)
+
+
 def test_reestimation_runs_in_training(tmp_path):
     from test_data import write_cifar
 
@@ -333,8 +376,11 @@ def test_reestimation_runs_in_training(tmp_path):
     assert reestimated["worker_eval_loss"][0] == reestimated["worker_eval_loss"][1]
     assert reestimated["eval_loss"] != local["eval_loss"]
     # the re-estimation before an evaluation at step 2 changes no training batch: the end is
-    # the same as without it
-    assert run(eval_every=2)["eval_loss"] == reestimated["eval_loss"]
+    # the same as without it, and its all-reduce is the evaluation's traffic, not the method's
+    evaluated = run(eval_every=2)
+    assert evaluated["eval_loss"] == reestimated["eval_loss"]
+    assert evaluated["bytes_sent"] == reestimated["bytes_sent"] > 0
+    assert evaluated["synchronizations"] == reestimated["synchronizations"]
 
 
 @pytest.mark.slow

@@ -255,6 +255,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         statistics, WAGMA stops its rounds, an exact average under ``average_before_eval``).
         Collective: every worker must call it at the same step."""
         self.runtime.before_eval()
+        self.runtime.prepare_eval()
 
     def finish(self) -> None:
         """After the last step: settle messages in flight (and, where the algorithm is set to,

@@ -182,14 +182,22 @@ class Runtime:
         """Called after the optimizer stepped."""
 
     def before_eval(self) -> None:
-        """Called (on every worker) before the training loop evaluates."""
+        """Called (on every worker) before the training loop evaluates: what the method does
+        to its training there (an exact average under ``average_before_eval``), counted as
+        the method's traffic. Then :meth:`prepare_eval`."""
+
+    def prepare_eval(self) -> None:
+        """Called (on every worker) after :meth:`before_eval`: what only the evaluation needs
+        and training never sees (local SGD's BatchNorm statistics re-estimated); the training
+        loop counts its traffic as the evaluation's, not the method's."""
 
     def pause(self) -> None:
         """Bring this worker's exchanges to a halt before a collective that the training loop
-        makes after the same step on every worker (the look for restarted workers under
-        ``on_failure="continue"``), where a worker that is rounds ahead or behind could
-        otherwise wait for a partner inside that collective. Collective where the method needs
-        it (WAGMA); nothing for the others."""
+        makes after the same step on every worker (an evaluation's, a checkpoint's, the look
+        for restarted workers under ``on_failure="continue"``), where a worker that is rounds
+        ahead or behind could otherwise wait for a partner inside that collective. The
+        training loop calls it before each evaluation and checkpoint, counting its traffic as
+        theirs. Collective where the method needs it (WAGMA); nothing for the others."""
 
     def settle(self) -> None:
         """Take in every message in flight, so that nothing is lost and step-indexed

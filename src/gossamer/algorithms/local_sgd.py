@@ -208,12 +208,25 @@ class LocalSGDRuntime(Runtime):
         self.synchronizations += 1
         self.last_averaged = self.step
 
-    def before_eval(self) -> None:
-        """Re-estimate and average BatchNorm statistics (``reestimate_batchnorm``), when the
-        training loop gave training inputs. Collective."""
+    @torch.no_grad()
+    def prepare_eval(self) -> None:
+        """Re-estimate BatchNorm statistics (``reestimate_batchnorm``), when the training loop
+        gave training inputs, for the model that is evaluated: the average of the replicas.
+        Every worker estimates them on its own inputs with the averaged parameters (inside a
+        round the replicas differ), they are averaged, and each worker goes on with its own
+        parameters. For the evaluation only: training in train mode never reads the
+        statistics, and the next evaluation estimates them afresh. Collective."""
         count = self.config.reestimate_batchnorm
-        if count and self.training_inputs is not None:
+        if not count or self.training_inputs is None or not batchnorm_layers(self.model):
+            return
+        params = [p.data for p in self.model.parameters()]
+        own = [p.clone() for p in params]
+        average_tensors(self.comm, params)
+        try:
             reestimate_batchnorm(self.comm, self.model, self.training_inputs(count))
+        finally:
+            for p, mine in zip(params, own, strict=True):
+                p.copy_(mine)
 
     def finish(self) -> None:
         if self.config.average_at_end and self.last_averaged != self.step - 1:
@@ -273,6 +286,11 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return tensors
 
 
+def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 @torch.no_grad()
 def reestimate_batchnorm(comm: Communicator, model: nn.Module,
                          batches: Iterable[torch.Tensor]) -> bool:
@@ -285,7 +303,7 @@ def reestimate_batchnorm(comm: Communicator, model: nn.Module,
     momentum of the i-th batch to 1 / (1 + i) and then averages the running means and
     variances over the workers.
     """
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = batchnorm_layers(model)
     if not norms:
         return False
     saved = [(m, m.momentum) for m in norms]

@@ -188,6 +188,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             # under average_before_eval) is the algorithm's
             excluding(runtime.pause)
             runtime.before_eval()
+            excluding(runtime.prepare_eval)  # (local SGD's BatchNorm statistics)
             last = excluding(measure, comm, config, dataset, model, params, runtime,
                              window_loss / window_count if window_count else math.nan,
                              counters(), examples_per_step, done)
