@@ -130,16 +130,11 @@ def test_resume_in_simulator_draws_the_same_step_times(tmp_path, monkeypatch):
     """With --jitter the simulated compute times are random: a checkpoint keeps each worker's
     generator of them, so AD-PSGD, whose exchanges follow the timing, resumes on the path of
     the uninterrupted run (the draws restarted from the seed before)."""
-    cfg = dict(sim=4, steps=30, eval_every=10, checkpoint_every=10, quiet=True, jitter=0.5,
-               algorithm="adpsgd", options={"average_at_end": "false"})
-    straight = tmp_path / "straight"
-    run_training(TrainConfig(run_dir=str(straight), **cfg))
-    stopped = tmp_path / "stopped"
-    monkeypatch.setattr(loop, "learning_rate", _crash_at(15))
-    with pytest.raises(Exception, match="stopped at step 15"):
-        run_training(TrainConfig(run_dir=str(stopped), **cfg))
-    monkeypatch.undo()
-    run_training(TrainConfig(run_dir=str(stopped), resume=True, **cfg))
+    from resume_helpers import straight_and_resumed
+
+    straight, stopped, _ = straight_and_resumed(
+        monkeypatch, tmp_path, 15, sim=4, steps=30, eval_every=10, checkpoint_every=10,
+        quiet=True, jitter=0.5, algorithm="adpsgd", options={"average_at_end": "false"})
     ev_a = [r for r in read_metrics(straight) if r["kind"] == "eval"]
     ev_b = [r for r in read_metrics(stopped) if r["kind"] == "eval"]
     assert [r["step"] for r in ev_b] == [10, 20, 30]
