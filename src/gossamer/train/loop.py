@@ -154,13 +154,15 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                 offsets["messages"] + comm.stats.total_messages_sent - excluded["messages"],
                 offsets["time"] + comm.clock() - excluded["time"])
 
-    def excluding(fn, *args):
-        """Run a collective ``fn`` without counting its traffic or time as the algorithm's."""
+    def excluding(fn, *args, time: bool = True):
+        """Run a collective ``fn`` without counting its traffic (and, with ``time``, its time)
+        as the algorithm's."""
         b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
         out = fn(*args)
         excluded["bytes"] += comm.stats.total_bytes_sent - b
         excluded["messages"] += comm.stats.total_messages_sent - m
-        excluded["time"] += comm.clock() - t
+        if time:
+            excluded["time"] += comm.clock() - t
         return out
 
     window_loss, window_count = 0.0, 0
@@ -183,10 +185,12 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         as due."""
         nonlocal last, window_loss, window_count
         if done == config.steps or (config.eval_every and done % config.eval_every == 0):
-            # halting the exchanges for the evaluation's collectives (WAGMA's rounds) is the
-            # evaluation's cost; what before_eval does to the training (an exact average
-            # under average_before_eval) is the algorithm's
-            excluding(runtime.pause)
+            # halting the exchanges for the evaluation's collectives (WAGMA's rounds): its
+            # traffic is the evaluation's; its time is the run's, since a worker ahead waits
+            # there for the others, as it would later without the evaluation; what
+            # before_eval does to the training (an exact average under average_before_eval)
+            # is the algorithm's
+            excluding(runtime.pause, time=False)
             runtime.before_eval()
             excluding(runtime.prepare_eval)  # (local SGD's BatchNorm statistics)
             last = excluding(measure, comm, config, dataset, model, params, runtime,
