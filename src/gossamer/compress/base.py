@@ -100,6 +100,17 @@ class Compressor(ABC):
         """The sum of the workers' tensors from the sum of their (all-reduced) payloads."""
         return self.decompress(summed, key)
 
+    def share(self, tensor: torch.Tensor, key: str, world_size: int) -> Payload:
+        """This worker's payload of ``tensor`` for an all-reduce over ``world_size`` workers:
+        its :meth:`compress` (a compressor whose narrow sum could overflow where the average
+        fits sends its share of the average instead, :class:`~gossamer.compress.FP16`)."""
+        return self.compress(tensor, key)
+
+    def decompress_average(self, summed: Payload, key: str, world_size: int) -> torch.Tensor:
+        """The average over ``world_size`` workers from the all-reduced sum of their
+        :meth:`share` payloads."""
+        return self.decompress_sum(summed, key).div_(world_size)
+
     def decompress_add(self, payload: Payload, key: str, out: torch.Tensor) -> None:
         """``out += decompress(payload)``, for gathered payloads (sparse ones override it)."""
         out.add_(self.decompress(payload, key).view_as(out))

@@ -59,7 +59,7 @@ class FP16(Compressor):
     """Values rounded to float16: 2 bytes per element, relative error <= 2^-11 in range
     (|x| in [6.1e-5, 65504]; larger magnitudes are clamped to 65504).
 
-    All-reduced over ``n`` workers (see :meth:`compress`), each worker sends its share
+    All-reduced over ``n`` workers (see :meth:`share`), each worker sends its share
     ``fp16(x) / n``, rounded once more where the division is not exact (n not a power of two,
     or a share below float16's normal range), and clamped so that the sum of the shares
     cannot overflow (:func:`share_limit`: about 65504 / n). With error feedback, the residual
@@ -69,8 +69,10 @@ class FP16(Compressor):
     aggregations: ClassVar[tuple[Aggregation, ...]] = ("allreduce", "allgather")
     dtype: ClassVar[torch.dtype] = torch.float16
 
-    def compress(self, tensor: torch.Tensor, key: str, *, world_size: int = 1
-                 ) -> DensePayload:
+    def compress(self, tensor: torch.Tensor, key: str) -> DensePayload:
+        return self.share(tensor, key, 1)
+
+    def share(self, tensor: torch.Tensor, key: str, world_size: int) -> DensePayload:
         """The payload of ``tensor``; with ``world_size`` > 1, its share of an all-reduced
         average over that many workers: cast, then divided by ``world_size`` in the narrow
         dtype, as DDP's ``fp16_compress_hook`` does, so that the shares' sum is the
@@ -91,7 +93,7 @@ class FP16(Compressor):
         out = payload.values.to(torch.float32).view(payload.shape)
         return out.mul_(payload.divisor) if payload.divisor != 1 else out
 
-    def decompress_average(self, summed: Payload, key: str) -> torch.Tensor:
+    def decompress_average(self, summed: Payload, key: str, world_size: int) -> torch.Tensor:
         """The average from the all-reduced sum of the workers' shares: that sum itself, in
         float32 (the sum of the workers' tensors, ``decompress_sum``, is n times it)."""
         assert isinstance(summed, DensePayload)

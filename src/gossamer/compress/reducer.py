@@ -38,7 +38,7 @@ import torch
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation, value_dtype
-from gossamer.compress.cast import FP16, NoCompression
+from gossamer.compress.cast import NoCompression
 from gossamer.compress.payloads import (
     DensePayload,
     Payload,
@@ -205,13 +205,8 @@ class CompressedReducer:
 
     def _all_reduce(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         compressor, n = self.compressor, self.cross.world_size
-        if isinstance(compressor, FP16):
-            # each worker's share of the average, cast then divided by n as DDP's
-            # fp16_compress_hook: the narrow sum is the average, in range where it is
-            payloads: list[Payload] = [compressor.compress(c, key, world_size=n)
-                                       for key, c in run]
-        else:
-            payloads = [compressor.compress(c, key) for key, c in run]
+        # (fp16's: each worker's share of the average, so that the narrow sum is in range)
+        payloads: list[Payload] = [compressor.share(c, key, n) for key, c in run]
         summed: list[Payload] = []
         for r in range(compressor.rounds):
             if r:
@@ -225,10 +220,7 @@ class CompressedReducer:
                 rider.copy_(sums.pop())
             summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
         self._update(run, payloads)
-        if isinstance(compressor, FP16):
-            return [compressor.decompress_average(s, key)
-                    for s, (key, _) in zip(summed, run, strict=True)]
-        return [compressor.decompress_sum(s, key).div_(n)
+        return [compressor.decompress_average(s, key, n)
                 for s, (key, _) in zip(summed, run, strict=True)]
 
     def _all_gather(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
