@@ -165,6 +165,24 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             excluded["time"] += comm.clock() - t
         return out
 
+    def catch_up() -> None:
+        """Wait for every worker to reach this point (where collectives of the loop's own
+        follow: an evaluation's, a checkpoint's, the look for restarted workers), and count
+        that wait as the run's time and nothing else as the run's. A worker ahead (of an
+        asynchronous method, or of a local one between its rounds, with a straggler) would
+        wait for the others later as well, or the run would end only when the last worker
+        ends; counted as the evaluation's, that wait made the reported wall-clock shrink the
+        more often a run evaluated. The wait is the first barrier's time less the second's,
+        in which nobody waits: the barrier's own cost."""
+        b, m, t0 = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
+        comm.barrier()
+        t1 = comm.clock()
+        comm.barrier()
+        t2 = comm.clock()
+        excluded["bytes"] += comm.stats.total_bytes_sent - b
+        excluded["messages"] += comm.stats.total_messages_sent - m
+        excluded["time"] += (t2 - t0) - max(0.0, (t1 - t0) - (t2 - t1))
+
     window_loss, window_count = 0.0, 0
     last: dict[str, Any] = {}
     drift = 0.0  # the consensus distance at the last step, before finish()
@@ -177,6 +195,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         # nothing is in flight: an asynchronous method's rounds stop there)
         if not runtime.replicas_identical:
             runtime.settle()
+            catch_up()  # (a worker ahead waits for the last one here, not in the measure)
             drift = excluding(consensus_distance, optimizer)
         optimizer.finish()
 
@@ -184,13 +203,20 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         """After step ``done`` (and ``finish()`` after the last): evaluate and checkpoint,
         as due."""
         nonlocal last, window_loss, window_count
-        if done == config.steps or (config.eval_every and done % config.eval_every == 0):
-            # halting the exchanges for the evaluation's collectives (WAGMA's rounds): its
-            # traffic is the evaluation's; its time is the run's, since a worker ahead waits
-            # there for the others, as it would later without the evaluation; what
-            # before_eval does to the training (an exact average under average_before_eval)
-            # is the algorithm's
+        evaluate = done == config.steps or bool(config.eval_every
+                                                and done % config.eval_every == 0)
+        save = bool(config.checkpoint_every) and (done % config.checkpoint_every == 0
+                                                  or done == config.steps)
+        if evaluate or save:
+            # halting the exchanges for the collectives that follow (WAGMA's rounds): its
+            # traffic is theirs; its time is the run's, as is the wait for the last worker,
+            # since a worker ahead waits there for the others, as it would later without
+            # the evaluation or the checkpoint
             excluding(runtime.pause, time=False)
+            catch_up()
+        if evaluate:
+            # what before_eval does to the training (an exact average under
+            # average_before_eval) is the algorithm's
             runtime.before_eval()
             excluding(runtime.prepare_eval)  # (local SGD's BatchNorm statistics)
             last = excluding(measure, comm, config, dataset, model, params, runtime,
@@ -201,8 +227,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                 if done == config.steps:
                     last["consensus_distance_before_finish"] = drift
                 metrics.write(last)
-        if config.checkpoint_every and (done % config.checkpoint_every == 0
-                                        or done == config.steps):
+        if save:
             excluding(_save, comm, config, model, optimizer, runtime, sampler, done, counters())
 
     def regroup(error: CommError, done: int) -> int:
@@ -250,7 +275,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         every worker, and every worker rebuilds what depends on the ranks
         (``Runtime.rejoin``, which averages no second time)."""
         assert membership is not None
-        excluding(runtime.pause)  # (WAGMA: no worker waits for a partner inside the look)
+        excluding(runtime.pause, time=False)  # (WAGMA: nobody waits for a partner in the look)
+        catch_up()
         ids = excluding(membership.waiting, step)
         if not ids:
             return
