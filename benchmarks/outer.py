@@ -23,8 +23,9 @@ than Local AdamW at H = 16 on every seed.
 
 runs each method instead as 8 processes of ``gossamer train`` on an emulated network
 (``gossamer launch --nproc 8 --emulate bandwidth=RATE``: root, ``ip`` and ``tc`` needed), one
-after the other, and reports the wall-clock (the slowest rank's, evaluations included) to the
-target loss.
+after the other, and reports the wall-clock to the target loss: the ``wall_clock`` of the
+runs' evaluation records (the mean over ranks, the evaluations' own time left out, a rank's
+wait there for the last one counted).
 """
 
 from __future__ import annotations
