@@ -300,5 +300,8 @@ def _train_with_a_rejoin(algorithm, steps: int = 2 * REJOIN_EVERY) -> list[dict]
 def test_gossamer_train_makes_one_outer_step_per_round_across_a_rejoin(period, outer_steps):
     summary = _train_with_a_rejoin(DiLoCo(period=period))[0]  # rank 0's, with the metrics
     assert summary["membership"][-1] == {"step": REJOIN_EVERY, "members": [0, 1, 2, 3]}
+    # the examples of 3 members, then of 4 (not 4 workers' for every step)
+    assert summary["examples_per_second"] * summary["wall_clock"] == pytest.approx(
+        16 * (3 + 4) * REJOIN_EVERY, rel=1e-12)
     assert summary["synchronizations"] == outer_steps
     assert summary["consensus_distance"] == 0  # every worker ends at the same model

@@ -153,6 +153,12 @@ def test_simulated_survivors_go_on_and_stay_within_a_point_of_a_fault_free_run()
     assert survived["world_size"] == 3
     assert abs(survived["eval_accuracy"] - clean["eval_accuracy"]) <= 0.01
     assert survived["consensus_distance"] == 0  # averaged at the end, as without the fault
+    # the examples of each step at that step's world size: 4 workers for 101 steps, then 3
+    # (the whole run at the last world size gave 3 x 200 x 32)
+    examples = survived["examples_per_second"] * survived["wall_clock"]
+    assert examples == pytest.approx(32 * (101 * 4 + (STEPS - 101) * 3), rel=1e-12)
+    assert clean["examples_per_second"] * clean["wall_clock"] == pytest.approx(
+        32 * 4 * STEPS, rel=1e-12)
 
 
 def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
@@ -237,15 +243,20 @@ def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
             model(torch.ones(1, 3)).sum().backward()
             optimizer.optimizer.step()
             optimizer.runtime.step = 1
+        counters = {"time": 2.5, "examples": 640.0} if comm.rank == 0 else {"time": 0.0}
         step = share_state(comm, 0, model, optimizer, optimizer.runtime,
-                           7 if comm.rank == 0 else 0, joining=comm.rank == 2)
+                           7 if comm.rank == 0 else 0, joining=comm.rank == 2,
+                           counters=counters)
         inner = optimizer.optimizer
         return (step, optimizer.runtime.step, [p.clone() for p in model.parameters()],
                 [inner.state[p]["momentum_buffer"].clone() for p in model.parameters()
-                 if p in inner.state])
+                 if p in inner.state], counters)
 
     results = SimWorld(3).run(worker)
     assert [r[0] for r in results] == [7, 7, 7] and [r[1] for r in results] == [1, 1, 1]
+    # the joiner counts on from the source's clock and examples; a member keeps its own
+    assert [r[4] for r in results] == [{"time": 2.5, "examples": 640.0}, {"time": 0.0},
+                                       {"time": 2.5, "examples": 640.0}]
     source, kept, joined = results
     assert all(torch.equal(a, b) for a, b in zip(source[2] + source[3], joined[2] + joined[3],
                                                  strict=True))

@@ -29,18 +29,25 @@ __all__ = ["decode", "encode", "share_state"]
 @torch.no_grad()
 def share_state(comm: Communicator, src: int, model: nn.Module,
                 optimizer: torch.optim.Optimizer, runtime: Runtime, step: int,
-                joining: bool) -> int:
+                joining: bool, counters: dict[str, float] | None = None) -> int:
     """Collective over ``comm``: ``src``'s model, optimizer state, runtime state and step
     reach every worker; a ``joining`` one (that rejoins) loads them, the others keep theirs.
-    Returns ``src``'s step."""
+    Returns ``src``'s step.
+
+    ``counters``: numbers that go with the state (the training loop's bytes, messages and
+    seconds so far, and the examples trained on): ``src``'s reach every worker, and a
+    ``joining`` worker's dict is updated with them, so that it goes on counting from where
+    a member is (its clock from the run's, not from its restart)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # the wrapped torch optimizer
     state = None
     if comm.rank == src:
         state = {"step": step, "model": model.state_dict(), "optimizer": inner.state_dict(),
-                 "runtime": runtime.state_dict()}
+                 "runtime": runtime.state_dict(), "counters": dict(counters or {})}
     state = broadcast_object(comm, src, state)
     if joining:
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optimizer"])
         runtime.load_state_dict(state["runtime"])
+        if counters is not None:
+            counters.update({k: float(v) for k, v in state["counters"].items()})
     return int(state["step"])

@@ -116,7 +116,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     runtime = optimizer.runtime
     # Traffic and time spent only to measure or checkpoint, not by the algorithm.
     excluded = dict(setup)
-    offsets = {"bytes": 0, "messages": 0, "time": 0.0}  # carried over from before a resume
+    # carried over from before a resume; examples: trained on by all workers together
+    offsets = {"bytes": 0, "messages": 0, "time": 0.0, "examples": 0}
     start = 0
     if config.resume:
         # the newest checkpoint that every worker verifies (the workers agree on its step)
@@ -134,25 +135,32 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         torch.set_rng_state(shard["rng"])
         if "simulation" in shard and hasattr(comm, "load_simulation_state"):
             comm.load_simulation_state(shard["simulation"])  # the compute model's draws
-        offsets = dict(shard["offsets"])
+        # (a checkpoint from before the examples were counted: the steps at this world size)
+        offsets = {"examples": start * config.batch_size * config.accumulation
+                   * comm.world_size, **shard["offsets"]}
         # the set-up broadcast was counted before the checkpoint already
         excluded = {"bytes": comm.stats.total_bytes_sent,
                     "messages": comm.stats.total_messages_sent, "time": comm.clock()}
     if rejoining:  # the members' model, optimizer and algorithm state, and their step
+        # (and the counts of a member: bytes, messages, clock and examples go on from its,
+        # not from 0; this traffic, as the members', is not the algorithm's)
         start = share_state(comm, membership.source(), model, optimizer, runtime, start,
-                            joining=True)
+                            joining=True, counters=offsets)
         runtime.rejoin(comm, algorithm)
+        excluded = {"bytes": comm.stats.total_bytes_sent,
+                    "messages": comm.stats.total_messages_sent, "time": comm.clock()}
     metrics = MetricsLog(config, enabled=comm.rank == 0, resume_step=start,
                          loggers=config.loggers)
     progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet, start=start)
     params = [p for p in model.parameters()]
     examples_per_step = config.batch_size * config.accumulation * comm.world_size
 
-    def counters() -> tuple[float, float, float]:
-        """(bytes, messages, seconds) of the algorithm so far, on this worker."""
+    def counters() -> tuple[float, float, float, float]:
+        """(bytes, messages, seconds) of the algorithm so far, on this worker, and the
+        examples trained on by all workers (each step's at that step's world size)."""
         return (offsets["bytes"] + comm.stats.total_bytes_sent - excluded["bytes"],
                 offsets["messages"] + comm.stats.total_messages_sent - excluded["messages"],
-                offsets["time"] + comm.clock() - excluded["time"])
+                offsets["time"] + comm.clock() - excluded["time"], offsets["examples"])
 
     def excluding(fn, *args, time: bool = True):
         """Run a collective ``fn`` without counting its traffic (and, with ``time``, its time)
@@ -182,6 +190,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         excluded["bytes"] += comm.stats.total_bytes_sent - b
         excluded["messages"] += comm.stats.total_messages_sent - m
         excluded["time"] += (t2 - t0) - max(0.0, (t1 - t0) - (t2 - t1))
+
+    counted = start  # the last step whose examples offsets["examples"] holds
 
     window_loss, window_count = 0.0, 0
     last: dict[str, Any] = {}
@@ -221,7 +231,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             excluding(runtime.prepare_eval)  # (local SGD's BatchNorm statistics)
             last = excluding(measure, comm, config, dataset, model, params, runtime,
                              window_loss / window_count if window_count else math.nan,
-                             counters(), examples_per_step, done)
+                             counters(), done)
             window_loss, window_count = 0.0, 0
             if comm.rank == 0:
                 if done == config.steps:
@@ -233,10 +243,15 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     def regroup(error: CommError, done: int) -> int:
         """Go on with the survivors (on_failure="continue") from the step they agreed on,
         whose end (finish, evaluation, checkpoint) is done here; returns that step."""
+        nonlocal counted
         assert membership is not None
         while True:
             old = comm
             agreed = membership.regroup(error, done)
+            # the steps up to the agreed one are done, at the old world size (a survivor
+            # that failed inside one, or was behind, did not count them)
+            offsets["examples"] += max(0, agreed - counted) * examples_per_step
+            counted = max(counted, agreed)
             switch(old, agreed)
             try:
                 runtime.step = agreed
@@ -286,13 +301,15 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         old = comm
         membership.admit(ids, step)
         switch(old, step)
+        sent, messages, clock, examples = counters()
         excluding(share_state, comm, membership.source(), model, optimizer, runtime, step,
-                  False)
+                  False, {"bytes": sent, "messages": messages, "time": clock,
+                          "examples": examples})
         excluding(runtime.rejoin, comm, config.algorithm.for_members(comm.world_size))
 
     def one_step(done: int) -> float:
         """Step ``done`` (from 1): its update, then its end; the step's training loss."""
-        nonlocal window_loss, window_count
+        nonlocal window_loss, window_count, counted
         step = done - 1
         if membership is not None and step > start and step % REJOIN_EVERY == 0:
             admit(step)  # restarted workers rejoin here
@@ -314,6 +331,8 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             step_loss += loss.item() / config.accumulation
         faults.after_backward(done, time.perf_counter() - started)
         optimizer.step()
+        offsets["examples"] += examples_per_step
+        counted = done
         if done == config.steps:
             finish()
         if math.isfinite(step_loss):
@@ -322,7 +341,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             raise FloatingPointError(f"rank {comm.rank}: the loss became {step_loss} at step "
                                      f"{done}; lower the learning rate")
         if comm.rank == 0 and done % config.log_every == 0:
-            sent, _, clock = counters()
+            sent, _, clock, _ = counters()
             metrics.write({"kind": "train", "step": done, "train_loss": step_loss, "lr": lr,
                            "bytes_sent": sent, "wall_clock": clock})
         end_of_step(done)
@@ -375,11 +394,12 @@ def _simulation_state(comm: Communicator) -> dict[str, Any]:
 
 
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
-    sent, messages, clock = counters
+    sent, messages, clock, examples = counters
     runtime.pause()  # before any collective of the save (WAGMA: a worker may be in a round)
     if config.checkpoint_format == "dcp":  # each worker's model and state under its rank
         extra = {"sampler": _to_safe(sampler.state_dict()), "rng": torch.get_rng_state(),
-                 "offsets": {"bytes": sent, "messages": messages, "time": clock},
+                 "offsets": {"bytes": sent, "messages": messages, "time": clock,
+                             "examples": examples},
                  **_simulation_state(comm)}
         dcp.save_dcp_checkpoint(comm, config.run_dir, step, model, optimizer, extra,
                                 keep=config.keep_checkpoints)
@@ -393,7 +413,7 @@ def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> N
         "algorithm": optimizer_state.pop("algorithm"),
         "sampler": _to_safe(sampler.state_dict()),
         "rng": torch.get_rng_state(),
-        "offsets": {"bytes": sent, "messages": messages, "time": clock},
+        "offsets": {"bytes": sent, "messages": messages, "time": clock, "examples": examples},
         **_simulation_state(comm),
     }
     state = {"model": model.state_dict(), "optimizer": optimizer_state}

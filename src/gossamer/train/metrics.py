@@ -136,9 +136,10 @@ class MetricsLog:
 def measure(
     comm: Communicator, config: TrainConfig, dataset: Dataset, model: nn.Module,
     params: list[torch.Tensor], runtime: Any, train_loss: float,
-    counters: tuple[float, float, float], examples_per_step: int, step: int,
+    counters: tuple[float, float, float, float], step: int,
 ) -> dict[str, Any]:
-    """Collective: evaluate the averaged model and each replica, and the consensus distance."""
+    """Collective: evaluate the averaged model and each replica, and the consensus distance.
+    ``counters``: this worker's (bytes, messages, seconds) and the examples of all workers."""
     with torch.no_grad():
         # own_sq is averaged below with the other scalars, in one all-reduce: the same figure
         # as gossamer.metrics.consensus_distance
@@ -154,7 +155,7 @@ def measure(
             own_loss, own_acc = evaluate(model, dataset.x_test, dataset.y_test)
         else:
             own_loss, own_acc = float("nan"), float("nan")
-        sent, messages, clock = counters
+        sent, messages, clock, examples = counters
         scalars = torch.tensor([own_sq, train_loss, sent, messages, clock,
                                 runtime.skipped_steps], dtype=torch.float64)
         comm.all_reduce(scalars, op="mean")
@@ -178,7 +179,7 @@ def measure(
         # updates skipped (or own gradients dropped) for non-finite values, over all workers
         "skipped_steps": round(mean_skipped * comm.world_size),
         "wall_clock": mean_clock,
-        "examples_per_second": examples_per_step * step / mean_clock if mean_clock > 0
+        "examples_per_second": examples / mean_clock if mean_clock > 0
         else float("nan"),
         "lr": learning_rate(config, step - 1),
     }
