@@ -335,6 +335,8 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
         run_dir = out / re.sub(RUN_DIR_UNSAFE, "_", label)
         if not (args.reuse and (run_dir / "metrics.jsonl").is_file()):
             algorithm, options = specs[name]
+            print(f"  {label}: {config.steps} steps of {args.workers} simulated workers ...",
+                  flush=True)
             started = time.perf_counter()
             run_training(config.replace(algorithm=algorithm, options=options,
                                         run_dir=str(run_dir)))
