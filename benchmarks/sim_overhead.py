@@ -5,6 +5,11 @@ same model without any communication (target <= 1.5 at n = 64), and the largest 
 the simulator handles.
 
     gossamer bench sim_overhead --workers 64 256 1024
+
+With ``--breakdown``, two steps in between, each against the same bare step: n separate models
+stepped one after the other without the simulator (what n models' memory costs alone), and
+the simulator's workers stepping a plain torch optimizer with a barrier per step (what the
+switching between workers adds); the AllReduce step adds the method's own work.
 """
 
 from __future__ import annotations
@@ -41,11 +46,44 @@ def sim_worker(comm, steps: int, size: int) -> float:
     return timed_steps(step, steps, warmup=3, before_timing=comm.barrier).per_step
 
 
+def separate_models_seconds(n: int, steps: int, size: int) -> float:
+    """Real seconds per step of n separate models, each stepped in turn, without a
+    simulator (after 3 untimed steps)."""
+    step_fns = []
+    for rank in range(n):
+        model = mlp(*DIGITS_MLP)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        step_fns.append(sgd_step(model, opt, batch(rank, size)))
+
+    def all_models() -> None:
+        for step in step_fns:
+            step()
+
+    return timed_steps(all_models, steps, warmup=3).per_step
+
+
+def sim_barrier_worker(comm, steps: int, size: int) -> float:
+    """Real seconds per step of one simulated worker with a plain torch optimizer and a
+    barrier after each step, all workers' steps included."""
+    model = mlp(*DIGITS_MLP)
+    step = sgd_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                    batch(comm.rank, size))
+
+    def step_and_barrier() -> None:
+        step()
+        comm.barrier()
+
+    return timed_steps(step_and_barrier, steps, warmup=3, before_timing=comm.barrier).per_step
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time n separate models without the simulator, and the "
+                             "simulated workers with a plain optimizer and a barrier")
 
 
 def run(args: argparse.Namespace, results: Results) -> int:
@@ -54,9 +92,12 @@ def run(args: argparse.Namespace, results: Results) -> int:
     torch.set_num_threads(1)
     rows = []
     for n in args.workers:
-        bare, simulated = [], []
+        bare, simulated, separate, barrier = [], [], [], []
         for _ in range(args.repeats):  # alternate, so that both see the same machine load
             bare.append(bare_step_seconds(args.steps * 5, args.batch))
+            if args.breakdown:
+                separate.append(separate_models_seconds(n, args.steps, args.batch))
+                barrier.append(SimWorld(n).run(sim_barrier_worker, args.steps, args.batch)[0])
             simulated.append(SimWorld(n).run(sim_worker, args.steps, args.batch)[0])
         row = {
             "workers": n,
@@ -68,6 +109,13 @@ def run(args: argparse.Namespace, results: Results) -> int:
         # before it): their spread is the machine's noise, which a target of 1.5 must beat
         ratios = [s / (n * b) for s, b in zip(simulated, bare, strict=True)]
         row["ratio_min"], row["ratio_max"] = min(ratios), max(ratios)
+        if args.breakdown:
+            for key, times in (("separate_models", separate), ("simulated_barrier", barrier)):
+                row[f"{key}_step_ms"] = 1e3 * statistics.median(times)
+                row[f"{key}_ratio"] = row[f"{key}_step_ms"] / (n * row["bare_step_ms"])
+            print(f"{n} workers, breakdown: {n} separate models {row['separate_models_ratio']:.2f},"
+                  f" simulated with a barrier {row['simulated_barrier_ratio']:.2f}, "
+                  f"AllReduce {row['ratio']:.2f} (x {n} bare steps)")
         rows.append(row)
         print(f"{n} workers: simulated step {row['simulated_step_ms']:.1f} ms, "
               f"{n} x bare step {n * row['bare_step_ms']:.1f} ms, ratio {row['ratio']:.2f} "

@@ -68,6 +68,22 @@ def test_a_tiny_benchmark_runs_end_to_end_and_writes_its_results(tmp_path, capsy
     assert f"wrote {path}" in capsys.readouterr().out
 
 
+def test_the_sim_overhead_breakdown_times_separate_models_and_a_barrier_per_step(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        code = _bench(["--results", str(tmp_path), "--figures", str(tmp_path), "sim_overhead",
+                       "--workers", "3", "--steps", "2", "--repeats", "1", "--batch", "4",
+                       "--breakdown"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    [row] = json.loads((tmp_path / "sim_overhead.json").read_text())["rows"]
+    for key in ("separate_models", "simulated_barrier"):
+        assert row[f"{key}_step_ms"] > 0
+        assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_step_ms"]
+                                                    / (3 * row["bare_step_ms"]))
+
+
 def test_timed_steps_runs_the_warm_up_then_times_each_step_on_the_clock():
     now = [0.0]
     events = []
