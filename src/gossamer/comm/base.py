@@ -13,7 +13,8 @@ worker for an all-reduce), the same way in both communicators.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -242,3 +243,15 @@ def check_exchange(
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+@contextmanager
+def counting_paused(comm: object) -> Iterator[None]:
+    """A context in which ``comm`` (a communicator with a ``_counting`` flag: Torch, Sim,
+    P2PGroup) counts none of the exchanges posted inside, its ``_uncounted`` (see
+    :func:`gossamer.comm.p2p_group.uncounted`)."""
+    saved, comm._counting = comm._counting, False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        comm._counting = saved  # type: ignore[attr-defined]

@@ -25,6 +25,7 @@ from gossamer.comm.base import (
     check_exchange,
     check_group_ranks,
     check_rank,
+    counting_paused,
     tensor_nbytes,
 )
 
@@ -280,12 +281,8 @@ class P2PGroup:
     @contextmanager
     def _uncounted(self) -> Iterator[None]:
         """See :func:`uncounted`: not here, nor in the parent."""
-        saved, self._counting = self._counting, False
-        try:
-            with uncounted(self._parent):
-                yield
-        finally:
-            self._counting = saved
+        with counting_paused(self), uncounted(self._parent):
+            yield
 
     def group(self, ranks: Sequence[int]) -> Communicator:
         """A nested subgroup, ``ranks`` in this group's ranks."""

@@ -61,6 +61,7 @@ from gossamer.comm.base import (
     check_exchange,
     check_group_ranks,
     check_rank,
+    counting_paused,
     tensor_nbytes,
     without_grad,
 )
@@ -758,11 +759,8 @@ class SimComm:
         """Exchanges posted inside are not counted (see
         :func:`gossamer.comm.p2p_group.uncounted`): a P2PGroup over this communicator counts
         its collectives by name, as :meth:`group`'s do, not the exchanges that carry them."""
-        saved, self._counting = self._counting, False
-        try:
+        with counting_paused(self):
             yield
-        finally:
-            self._counting = saved
 
     # ---- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:

@@ -39,6 +39,7 @@ from gossamer.comm.base import (
     ReduceOp,
     check_exchange,
     check_rank,
+    counting_paused,
     default_timeout,
     tensor_nbytes,
 )
@@ -663,11 +664,8 @@ class TorchCommunicator:
     def _uncounted(self) -> Iterator[None]:
         """Exchanges posted inside are not counted in :attr:`stats` (see
         :func:`gossamer.comm.p2p_group.uncounted`)."""
-        saved, self._counting = self._counting, False
-        try:
+        with counting_paused(self):
             yield
-        finally:
-            self._counting = saved
 
     def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
         """Count a subgroup's collective ``op`` as this communicator's own (see

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import torch
@@ -38,6 +39,7 @@ class NoCompression(Compressor):
         return payload.values.view(payload.shape).clone()
 
 
+@functools.lru_cache(maxsize=64)  # per bucket and step otherwise: the same few pairs
 def share_limit(dtype: torch.dtype, world_size: int) -> float:
     """The largest magnitude of ``dtype`` that ``world_size`` shares may each have so that
     their sum, added in ``dtype`` in any order (a ring, a tree), is finite.

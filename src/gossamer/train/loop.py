@@ -81,14 +81,13 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     """
     # Every worker must train the same thing: a mismatch stops them all here, before the
     # algorithm's first collective. Its traffic and time are not the algorithm's.
-    b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
+    before = _raw_counts(comm)
     rejoining = membership is not None and membership.joined_at is not None
     # the worker's id and the world at the start: its shard, whatever the membership
     me, size = (membership.me, membership.size) if rejoining else (comm.rank, comm.world_size)
     if not rejoining:  # (a restarted worker receives the state of a member instead)
         check_agreement(comm, describe_run(config, comm.world_size, dataset))
-    setup = {"bytes": comm.stats.total_bytes_sent - b,
-             "messages": comm.stats.total_messages_sent - m, "time": comm.clock() - t}
+    setup = {key: value - before[key] for key, value in _raw_counts(comm).items()}
     torch.manual_seed(config.seed)  # the same initial model on every worker
     device = getattr(comm, "device", torch.device("cpu"))  # CUDA under NCCL
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
@@ -119,6 +118,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     # carried over from before a resume; examples: trained on by all workers together
     offsets = {"bytes": 0, "messages": 0, "time": 0.0, "examples": 0}
     start = 0
+    examples_per_step = config.batch_size * config.accumulation * comm.world_size
     if config.resume:
         # the newest checkpoint that every worker verifies (the workers agree on its step)
         if config.checkpoint_format == "dcp":  # model, optimizer and algorithm loaded there
@@ -136,24 +136,20 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         if "simulation" in shard and hasattr(comm, "load_simulation_state"):
             comm.load_simulation_state(shard["simulation"])  # the compute model's draws
         # (a checkpoint from before the examples were counted: the steps at this world size)
-        offsets = {"examples": start * config.batch_size * config.accumulation
-                   * comm.world_size, **shard["offsets"]}
+        offsets = {"examples": start * examples_per_step, **shard["offsets"]}
         # the set-up broadcast was counted before the checkpoint already
-        excluded = {"bytes": comm.stats.total_bytes_sent,
-                    "messages": comm.stats.total_messages_sent, "time": comm.clock()}
+        excluded = _raw_counts(comm)
     if rejoining:  # the members' model, optimizer and algorithm state, and their step
         # (and the counts of a member: bytes, messages, clock and examples go on from its,
         # not from 0; this traffic, as the members', is not the algorithm's)
         start = share_state(comm, membership.source(), model, optimizer, runtime, start,
                             joining=True, counters=offsets)
         runtime.rejoin(comm, algorithm)
-        excluded = {"bytes": comm.stats.total_bytes_sent,
-                    "messages": comm.stats.total_messages_sent, "time": comm.clock()}
+        excluded = _raw_counts(comm)
     metrics = MetricsLog(config, enabled=comm.rank == 0, resume_step=start,
                          loggers=config.loggers)
     progress = Progress(config.steps, enabled=comm.rank == 0 and not config.quiet, start=start)
     params = [p for p in model.parameters()]
-    examples_per_step = config.batch_size * config.accumulation * comm.world_size
 
     def counters() -> tuple[float, float, float, float]:
         """(bytes, messages, seconds) of the algorithm so far, on this worker, and the
@@ -165,12 +161,11 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     def excluding(fn, *args, time: bool = True):
         """Run a collective ``fn`` without counting its traffic (and, with ``time``, its time)
         as the algorithm's."""
-        b, m, t = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
+        before = _raw_counts(comm)
         out = fn(*args)
-        excluded["bytes"] += comm.stats.total_bytes_sent - b
-        excluded["messages"] += comm.stats.total_messages_sent - m
-        if time:
-            excluded["time"] += comm.clock() - t
+        for key, value in _raw_counts(comm).items():
+            if time or key != "time":
+                excluded[key] += value - before[key]
         return out
 
     def catch_up() -> None:
@@ -182,14 +177,11 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         ends; counted as the evaluation's, that wait made the reported wall-clock shrink the
         more often a run evaluated. The wait is the first barrier's time less the second's,
         in which nobody waits: the barrier's own cost."""
-        b, m, t0 = comm.stats.total_bytes_sent, comm.stats.total_messages_sent, comm.clock()
-        comm.barrier()
+        t0 = comm.clock()
+        excluding(comm.barrier, time=False)  # the wait, and the barrier's own cost
         t1 = comm.clock()
-        comm.barrier()
-        t2 = comm.clock()
-        excluded["bytes"] += comm.stats.total_bytes_sent - b
-        excluded["messages"] += comm.stats.total_messages_sent - m
-        excluded["time"] += (t2 - t0) - max(0.0, (t1 - t0) - (t2 - t1))
+        excluding(comm.barrier)  # the barrier's own cost
+        excluded["time"] += min(comm.clock() - t1, t1 - t0)  # taken off the first
 
     counted = start  # the last step whose examples offsets["examples"] holds
 
@@ -270,11 +262,9 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         nonlocal comm, metrics, progress, examples_per_step
         assert membership is not None
         leader, comm = old.rank == 0, membership.comm
-        for key, total in (("bytes", old.stats.total_bytes_sent),
-                           ("messages", old.stats.total_messages_sent), ("time", old.clock())):
+        for key, total in _raw_counts(old).items():
             offsets[key] += total - excluded[key]
-        excluded.update(bytes=comm.stats.total_bytes_sent,
-                        messages=comm.stats.total_messages_sent, time=comm.clock())
+        excluded.update(_raw_counts(comm))
         examples_per_step = config.batch_size * config.accumulation * comm.world_size
         if comm.rank == 0 and not leader:  # the first member writes the records now
             metrics = MetricsLog(config, enabled=True, resume_step=step - 1,
@@ -393,9 +383,15 @@ def _simulation_state(comm: Communicator) -> dict[str, Any]:
     return {"simulation": _to_safe(state())} if state is not None else {}
 
 
+def _raw_counts(comm: Communicator) -> dict[str, float]:
+    """What ``comm`` counted so far: bytes and messages sent, and its clock."""
+    return {"bytes": comm.stats.total_bytes_sent, "messages": comm.stats.total_messages_sent,
+            "time": comm.clock()}
+
+
 def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> None:
+    """Save the checkpoint of ``step`` (collective; the loop has paused the runtime)."""
     sent, messages, clock, examples = counters
-    runtime.pause()  # before any collective of the save (WAGMA: a worker may be in a round)
     if config.checkpoint_format == "dcp":  # each worker's model and state under its rank
         extra = {"sampler": _to_safe(sampler.state_dict()), "rng": torch.get_rng_state(),
                  "offsets": {"bytes": sent, "messages": messages, "time": clock,
