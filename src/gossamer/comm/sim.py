@@ -149,10 +149,12 @@ class _Pending:
     kind: str
     members: tuple[int, ...]
     name: str
+    group: int  # the members' id (SimWorld._groups)
+    signature: Any = None  # what every member must call alike (the first arrival's)
     arrivals: dict[int, float] = field(default_factory=dict)  # global rank -> start time
     first: float = math.inf  # earliest and latest arrival
     last: float = -math.inf
-    data: dict[int, Any] = field(default_factory=dict)  # global rank -> (signature, data)
+    data: dict[int, Any] = field(default_factory=dict)  # global rank -> its data
     results: dict[int, Any] = field(default_factory=dict)  # global rank -> what it gets back
     abandoned_at: float | None = None  # virtual time a member gave up; it never completes
 
@@ -246,6 +248,7 @@ class SimWorld:
         # members -> a small id: collectives are keyed by it, not by the members' tuple, whose
         # hash costs as much as its length (10,000 workers: 50 us per collective per worker)
         self._groups: dict[Hashable, int] = {}  # by members (and epoch)
+        self._durations: dict[Hashable, float] = {}  # see _duration
         self._inbox: dict[tuple[int, int], deque[tuple[torch.Tensor, float]]] = defaultdict(deque)
         self._posted: dict[tuple[int, int], deque[_Slot]] = defaultdict(deque)
         self._hub = greenlet.getcurrent()
@@ -518,23 +521,24 @@ class SimWorld:
         key = (view._group, seq)
         pending = self._pending.get(key)
         if pending is None:  # the first to arrive (not setdefault: one record per collective)
-            pending = self._pending[key] = _Pending(kind, members, f"{kind} #{seq}")
+            pending = self._pending[key] = _Pending(kind, members, f"{kind} #{seq}",
+                                                    view._group, signature)
         name = pending.name
         arrival = max(w.clock, w.nic_free)
-        first = next(iter(pending.data.values()), None)
-        if pending.kind != kind or (first is not None and first[0] != signature):
+        if pending.kind != kind or pending.signature != signature:
             pending.abandoned_at = -math.inf
             name = f"{kind} #{seq}"
             raise CommError(
                 f"{name}: members called different collectives or shapes "
-                f"({first[0] if first else pending.kind} vs {signature})", op=name,
+                f"({pending.signature if pending.data else pending.kind} vs {signature})",
+                op=name,
             )
         if pending.abandoned_at is not None and arrival > pending.abandoned_at:
             by = min(pending.arrivals, key=lambda m: pending.arrivals[m])
             raise self._abandoned(pending, by, pending.abandoned_at)
         pending.arrivals[w.rank] = arrival
         pending.first, pending.last = min(pending.first, arrival), max(pending.last, arrival)
-        pending.data[w.rank] = (signature, data)
+        pending.data[w.rank] = data
         if (
             len(pending.arrivals) < len(members)
             or pending.abandoned_at is not None
@@ -554,6 +558,35 @@ class SimWorld:
         self._wake(w, end)
         self._yield(w)
         return pending.results.pop(w.rank, None)
+
+    def _duration(self, key: Hashable, compute: Callable[[], float]) -> float:
+        """A collective's virtual duration, ``compute()``, kept by ``key`` (the group's id,
+        the collective and its sizes): the network model is frozen, and its members' links
+        are the same at every call (the ring's slowest link costs a call per member)."""
+        duration = self._durations.get(key)
+        if duration is None:
+            duration = self._durations[key] = compute()
+        return duration
+
+    def _finish_all_reduce(self, p: _Pending) -> tuple[float, dict[int, Any]]:
+        """Sum (or average) the members' tensors into every one of them."""
+        parts = [p.data[m] for m in p.members]
+        n = len(parts)
+        total = parts[0].detach().clone()
+        for part in parts[1:]:
+            total.add_(part)
+        if p.signature[1] == "mean":
+            divide_(total, n)  # integers round down, as on real processes
+        torch._foreach_copy_(parts, [total] * n)  # one call for every member
+        numel, esize = total.numel(), total.element_size()
+        return p.last + self._duration(
+            (p.group, "all_reduce", numel, esize),
+            lambda: cost.ring_all_reduce_time(n, numel, esize, self.network, p.members)), {}
+
+    def _finish_barrier(self, p: _Pending) -> tuple[float, dict[int, Any]]:
+        n = len(p.members)
+        return p.last + self._duration(
+            (p.group, "barrier"), lambda: cost.barrier_time(n, self.network, p.members)), {}
 
     # ------------------------------------------------------------------ point to point
     def _send(self, w: _Worker, dst: int, tensor: torch.Tensor) -> float:
@@ -670,6 +703,10 @@ class _SimHandle:
         return result
 
 
+#: counters and what to add to them: (bytes by peer, messages by peer, peer, bytes, messages)
+_Plan = list[tuple[dict[int, int], dict[int, int], int, int, int]]
+
+
 class SimComm:
     """One simulated worker's communicator (over the whole world or a subgroup of it)."""
 
@@ -703,8 +740,11 @@ class SimComm:
                 self._sinks.append((stats, index))
         self._counting = True  # whether exchanges count in the stats (see _uncounted)
         self._exchanges = 0
-        #: (numel, element size) -> the ring all-reduce's traffic of this rank (sent, received)
-        self._ring_traffic: dict[tuple[int, int], tuple[cost.Traffic, cost.Traffic]] = {}
+        #: (numel, element size) -> the ring all-reduce's traffic of this rank, as a _plan
+        self._ring_traffic: dict[tuple[int, int], _Plan] = {}
+        self._barrier_traffic: _Plan | None = None  # the same at every barrier: see barrier()
+        #: the counters of operations of this view and the enclosing ones (see _count)
+        self._operations = [stats.operations for stats, _ in self._sinks]
 
     @property
     def rank(self) -> int:
@@ -742,9 +782,34 @@ class SimComm:
         for peer, nbytes, messages in received:
             self._record(peer, nbytes, sent=False, messages=messages)
 
+    def _plan(self, sent: cost.Traffic, received: cost.Traffic) -> _Plan:
+        """What :meth:`_record_traffic` of ``sent`` and ``received`` adds, and to which
+        counters: for a collective whose traffic is the same at every call, recorded by
+        :meth:`_replay` without working out the peers again (a call of a small model's
+        simulated step is a few microseconds)."""
+        plan = []
+        for traffic, is_sent in ((sent, True), (received, False)):
+            for peer, nbytes, messages in traffic:
+                member = self._members[peer]
+                for stats, index in self._sinks:
+                    p = member if index is None else index[member]
+                    if is_sent:
+                        plan.append((stats.bytes_sent, stats.messages_sent, p, nbytes, messages))
+                    else:
+                        plan.append((stats.bytes_received, stats.messages_received, p, nbytes,
+                                     messages))
+        return plan
+
+    @staticmethod
+    def _replay(plan: _Plan) -> None:
+        """Record a :meth:`_plan`'s traffic (what _record_traffic would have)."""
+        for nbytes_by_peer, messages_by_peer, peer, nbytes, messages in plan:
+            nbytes_by_peer[peer] += nbytes
+            messages_by_peer[peer] += messages
+
     def _count(self, op: str) -> None:
-        for stats, _ in self._sinks:
-            stats.operations[op] += 1
+        for operations in self._operations:
+            operations[op] += 1
 
     def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
         """Count a collective of a :class:`~gossamer.comm.p2p_group.P2PGroup` over this
@@ -766,35 +831,22 @@ class SimComm:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-        n, me = self.world_size, self._rank
         self._count("all_reduce")
-        numel, esize = tensor.numel(), tensor.element_size()
-        traffic = self._ring_traffic.get((numel, esize))
-        if traffic is None:  # the same every step: worked out once
+        size = (tensor.numel(), tensor.element_size())
+        plan = self._ring_traffic.get(size)
+        if plan is None:  # the same every step: worked out once
+            n, me = self.world_size, self._rank
             pred = (me - 1) % n
-            traffic = self._ring_traffic[(numel, esize)] = (
-                cost.ring_all_reduce_traffic(me, n, numel, esize),
-                [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, numel, esize)],
+            plan = self._ring_traffic[size] = self._plan(
+                cost.ring_all_reduce_traffic(me, n, *size),
+                [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, *size)],
             )
-        self._record_traffic(*traffic)
-        if n == 1:
+        self._replay(plan)
+        if len(self._members) == 1:
             return tensor
-        world = self._world
-
-        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
-            parts = [p.data[m][1] for m in p.members]
-            total = parts[0].detach().clone()
-            for part in parts[1:]:
-                total.add_(part)
-            if op == "mean":
-                divide_(total, n)  # integers round down, as on real processes
-            torch._foreach_copy_(parts, [total] * len(parts))  # one call for every member
-            start = p.last
-            return start + cost.ring_all_reduce_time(
-                n, numel, esize, world.network, p.members), {}
-
         signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
-        without_grad(self._world._collective, self, "all_reduce", tensor, signature, finish)
+        without_grad(self._world._collective, self, "all_reduce", tensor, signature,
+                     self._world._finish_all_reduce)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -803,7 +855,7 @@ class SimComm:
         world = self._world
 
         def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
-            parts = [p.data[m][1] for m in p.members]
+            parts = [p.data[m] for m in p.members]
             sizes = [tensor_nbytes(t) for t in parts]
             # Each member gets copies of its own: it may modify them in place.
             results = {m: (sizes, [t.detach().clone() for t in parts]) for m in p.members}
@@ -835,10 +887,10 @@ class SimComm:
         world = self._world
 
         def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
-            source = p.data[p.members[src]][1]
+            source = p.data[p.members[src]]
             for m in p.members:
                 if m != p.members[src]:
-                    p.data[m][1].copy_(source)
+                    p.data[m].copy_(source)
             start = p.last
             return start + cost.broadcast_time(n, src, nbytes, world.network, p.members), {}
 
@@ -848,21 +900,19 @@ class SimComm:
         return tensor
 
     def barrier(self) -> None:
-        n, me = self.world_size, self._rank
         self._count("barrier")
-        self._record_traffic(
-            cost.barrier_traffic(me, n),
-            [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))],
-        )
-        if n == 1:
+        plan = self._barrier_traffic
+        if plan is None:  # the same at every barrier: worked out once
+            n, me = self.world_size, self._rank
+            plan = self._barrier_traffic = self._plan(
+                cost.barrier_traffic(me, n),
+                [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))],
+            )
+        self._replay(plan)
+        if len(self._members) == 1:
             return
-        world = self._world
-
-        def finish(p: _Pending) -> tuple[float, dict[int, Any]]:
-            start = p.last
-            return start + cost.barrier_time(n, world.network, p.members), {}
-
-        self._world._collective(self, "barrier", None, ("barrier",), finish)
+        self._world._collective(self, "barrier", None, ("barrier",),
+                                self._world._finish_barrier)
 
     # ---- point to point
     def exchange(
