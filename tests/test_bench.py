@@ -82,6 +82,9 @@ def test_the_sim_overhead_breakdown_times_separate_models_and_a_barrier_per_step
         assert row[f"{key}_step_ms"] > 0
         assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_step_ms"]
                                                     / (3 * row["bare_step_ms"]))
+    assert row["bare_step_mean_ms"] > 0
+    assert row["ratio_to_mean"] == pytest.approx(row["simulated_step_ms"]
+                                                 / (3 * row["bare_step_mean_ms"]))
 
 
 def test_timed_steps_runs_the_warm_up_then_times_each_step_on_the_clock():
