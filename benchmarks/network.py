@@ -6,6 +6,7 @@ stragglers, time to accuracy.
     gossamer bench network --quick          # every part, under 20 minutes on 2 cores
     gossamer bench network                  # full: more sizes, steps and repetitions
     gossamer bench network --quick --parts b c
+    gossamer bench network --quick --parts a b c --mtu 65535   # 64 KiB frames
 
 Needs Linux, root, iproute2 (ip, tc) and the tbf qdisc; without them it says so and exits with
 code 2. Writes ``benchmarks/results/network_{a..e}.json``, figures to ``benchmarks/figures/``
@@ -17,8 +18,11 @@ by a veth link to a bridge; tc's token bucket (``tbf``) limits each link's uploa
 (:class:`gossamer.launch.Network`, what ``gossamer launch --emulate`` uses). Links carry
 9000-byte frames (``mtu=9000``, jumbo frames): with 1500-byte frames and no segmentation
 offload the kernel's per-frame work for four links saturates this machine's two cores below
-1 Gbit/s (part a measures both). The kernel has no netem, so links add no delay: latency is
-what the stack and the processes add.
+1 Gbit/s (part a measures both). ``--mtu 65535`` gives the links 64 KiB frames: what a real
+NIC's segmentation offload hands the kernel, so that the host's per-frame work is a cluster
+node's, not that of a machine forwarding every worker's frames on the cores that also compute.
+The kernel has no netem, so links add no delay: latency is what the stack and the processes
+add.
 
 - (a) all-reduce of 1, 10 and 100 MB (and 4, 64 KiB for the fit) at 2 and 4 workers over
   1 and 10 Gbit/s links against the alpha-beta model (:func:`gossamer.comm.cost.
@@ -430,16 +434,18 @@ def check_mnist(data: Path) -> None:
                              "--data DIR, the folder that holds mnist/)")
 
 
-def load_part(folder: Path, part: str, mode: str,
-              required: bool = True) -> dict[str, Any] | None:
-    """Part ``part``'s saved result in ``folder`` of a run in ``mode`` (None, or ValueError if
-    ``required``, when there is none)."""
+def load_part(folder: Path, part: str, mode: str, required: bool = True,
+              mtu: int | None = None) -> dict[str, Any] | None:
+    """Part ``part``'s saved result in ``folder`` of a run in ``mode`` with frames of ``mtu``
+    bytes (default: any) (None, or ValueError if ``required``, when there is none)."""
     path = folder / f"network_{part}.json"
     saved = json.loads(path.read_text()) if path.is_file() else None
-    if saved is None or saved.get("mode") != mode:
+    saved_mtu = (saved or {}).get("settings", {}).get("mtu")
+    if saved is None or saved.get("mode") != mode or (mtu is not None and saved_mtu != mtu):
         if required:
-            raise ValueError(f"part {part}'s results in {mode} mode ({path}) are needed: run "
-                             f"part {part} too")
+            frames = f" with {mtu}-byte frames" if mtu is not None else ""
+            raise ValueError(f"part {part}'s results in {mode} mode{frames} ({path}) are "
+                             f"needed: run part {part} too")
         return None
     return saved["result"]
 
@@ -470,7 +476,7 @@ def run_suite(settings: Settings, parts: list[str], data: Path, results: Results
     failed = []
 
     def saved(part: str) -> dict[str, Any] | None:  # this run's, else an earlier one's
-        return done.get(part) or load_part(results.folder, part, settings.mode)
+        return done.get(part) or load_part(results.folder, part, settings.mode, mtu=settings.mtu)
 
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("a", lambda: part_a(settings)),
@@ -500,7 +506,8 @@ def run_suite(settings: Settings, parts: list[str], data: Path, results: Results
             "settings": dataclasses.asdict(settings), "result": done[part]})
         _say(f"part {part} done in {seconds:.0f} s: {path}")
     total = time.perf_counter() - started
-    available = {p: done[p] if p in done else load_part(results.folder, p, settings.mode, False)
+    available = {p: done[p] if p in done
+                 else load_part(results.folder, p, settings.mode, False, mtu=settings.mtu)
                  for p in PARTS}
     results.figures.mkdir(parents=True, exist_ok=True)
     for path in network_report.plots(available, settings, results.figures):
@@ -518,12 +525,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fewer sizes, steps and repetitions (under 20 minutes)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
                         help="which parts to run (default: all); c reuses a's and b's saved "
-                        "results of the same mode when they are not run")
+                        "results of the same mode and frame size when they are not run")
+    add_mtu_argument(parser)
     add_data_argument(parser)
 
 
+def add_mtu_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mtu", type=int, default=Settings.mtu,
+                        help=f"bytes per frame on the emulated links (default {Settings.mtu}; "
+                        "65535 stands for a NIC's segmentation offload, which the emulated "
+                        "links lack: the kernel then handles 64 KiB at a time)")
+
+
+def with_mtu(settings: Settings, mtu: int) -> Settings:
+    """``settings`` with frames of ``mtu`` bytes (1280 to 65535: IPv6's least, veth's most)."""
+    if isinstance(mtu, bool) or not isinstance(mtu, int) or not 1280 <= mtu <= 65535:
+        raise ValueError(f"--mtu must be an int from 1280 to 65535 bytes, got {mtu!r}")
+    return dataclasses.replace(settings, mtu=mtu)
+
+
 def run(args: argparse.Namespace, results: Results) -> int:
-    settings = QUICK if args.quick else FULL
+    settings = with_mtu(QUICK if args.quick else FULL, args.mtu)
     parts = [p for p in PARTS if p in args.parts]
     try:
         return run_suite(settings, parts, args.data, results)

@@ -44,17 +44,22 @@ def _pct(x: float) -> str:
 
 
 def plots(parts: dict[str, Any], settings, folder: Path) -> list[Path]:
-    """Write the figures of the parts that are there; their paths."""
+    """Write the figures of the parts that are there; their paths. Frames other than the
+    suite's default size name their figures apart (``network_steps_mtu65535.png``)."""
+    from benchmarks.network import Settings
+
+    tail = "" if settings.mtu == Settings.mtu else f"_mtu{settings.mtu}"
     out = []
     if parts.get("a"):
-        out.append(_plot_collectives(parts["a"], folder / "network_collectives.png"))
+        out.append(_plot_collectives(parts["a"], folder / f"network_collectives{tail}.png"))
     if parts.get("b"):
-        out.append(_plot_steps(parts["b"], parts.get("c"), folder / "network_steps.png"))
+        out.append(_plot_steps(parts["b"], parts.get("c"), folder / f"network_steps{tail}.png"))
     if parts.get("b") and parts.get("d"):
         out.append(_plot_stragglers(parts["b"], parts["d"], settings,
-                                    folder / "network_stragglers.png"))
+                                    folder / f"network_stragglers{tail}.png"))
     if parts.get("e"):
-        out.append(_plot_accuracy(parts["e"], settings, folder / "network_accuracy.png"))
+        out.append(_plot_accuracy(parts["e"], settings,
+                                  folder / f"network_accuracy{tail}.png"))
     return out
 
 
@@ -179,7 +184,7 @@ def markdown(parts: dict[str, Any], settings, command: str, seconds: float,
         "Every worker is a gloo process in a network namespace of its own, on a veth link to a "
         "bridge, with tc's token bucket (`tbf`) limiting the link's upload and download "
         f"(`gossamer.launch.Network`, as `gossamer launch --emulate bandwidth=1gbit,mtu={s.mtu}`"
-        f"). Frames of {s.mtu} bytes (jumbo frames); the kernel has no `sch_netem`, so the "
+        f"). Frames of {s.mtu} bytes; the kernel has no `sch_netem`, so the "
         "links add no delay and the latency is what the stack and the processes add. All "
         f"workers share the machine's {_cores(machine)} cores.",
         "",

@@ -3,6 +3,8 @@
     gossamer bench plan --parts scale --workers 10000 --models gpt-1b resnet50
     gossamer bench plan --parts emulated          # needs the network suite's results (a, b)
     gossamer bench plan --parts emulated8         # 8 emulated workers at 100 Mbit/s: root
+    gossamer bench plan --parts emulated emulated8 --mtu 65535   # after the suite's a, b
+                                                                 # with the same --mtu
     gossamer bench plan --parts published
 
 - ``scale``: real time, CPU time and peak memory of one timing-only prediction (1 warm-up and
@@ -38,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models of the scale part")
     parser.add_argument("--algorithms", nargs="+", default=["allreduce", "sgp"],
                         help="methods of the scale part")
+    from benchmarks.network import add_mtu_argument
+
+    add_mtu_argument(parser)  # the emulated parts' frames
 
 
 def part_scale(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -102,33 +107,36 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
     return out
 
 
-def part_emulated(results: Results) -> dict[str, Any]:
+def part_emulated(results: Results, mtu: int) -> dict[str, Any]:
     import json
 
+    from benchmarks.network import load_part
     from benchmarks.network_model import fitted_network
 
-    a = json.loads((results.folder / "network_a.json").read_text())["result"]
     b = json.loads((results.folder / "network_b.json").read_text())
     settings = b["settings"]
+    if settings["mtu"] != mtu:
+        raise ValueError(f"the network suite's part b ran with {settings['mtu']}-byte frames, "
+                         f"not --mtu {mtu}: run `gossamer bench network --quick --parts a b "
+                         f"--mtu {mtu}` first")
+    a = load_part(results.folder, "a", b["mode"], mtu=mtu)
     network = fitted_network(a, settings["train_workers"], settings["train_gbits"])
     return {"network": {"latency": network.latency, "bandwidth": network.bandwidth},
-            "algorithms": predict_measured(b["result"], network, settings["warmup"],
+            "mtu": mtu, "algorithms": predict_measured(b["result"], network, settings["warmup"],
                                            settings["steps"])}
 
 
-def part_emulated8(results: Results) -> dict[str, Any]:
-    import json
-
-    from benchmarks.network import QUICK, part_b
+def part_emulated8(results: Results, mtu: int) -> dict[str, Any]:
+    from benchmarks.network import QUICK, load_part, part_b, with_mtu
     from benchmarks.network_model import fitted_network
     from gossamer.comm import NetworkModel
 
-    settings = dataclasses.replace(QUICK, train_workers=8, train_gbits=0.1)
+    settings = dataclasses.replace(with_mtu(QUICK, mtu), train_workers=8, train_gbits=0.1)
+    a = load_part(results.folder, "a", settings.mode, mtu=mtu)  # before minutes of part b
     measured = part_b(settings)
-    a = json.loads((results.folder / "network_a.json").read_text())["result"]
     latency = fitted_network(a, 4, 1.0).latency
     network = NetworkModel(latency=latency, bandwidth=0.1e9 / 8)
-    return {"network": {"latency": latency, "bandwidth": network.bandwidth},
+    return {"network": {"latency": latency, "bandwidth": network.bandwidth}, "mtu": mtu,
             "measured": measured,
             "algorithms": predict_measured(measured, network, settings.warmup, settings.steps)}
 
@@ -165,9 +173,9 @@ def run(args: argparse.Namespace, results: Results) -> int:
         if part == "scale":
             data: Any = part_scale(args)
         elif part == "emulated":
-            data = part_emulated(results)
+            data = part_emulated(results, args.mtu)
         elif part == "emulated8":
-            data = part_emulated8(results)
+            data = part_emulated8(results, args.mtu)
         else:
             data = part_published()
         results.write(f"plan_{part}", {"part": part, "result": data})

@@ -119,3 +119,23 @@ def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traff
     # 1 untimed + 2 timed all-reduces, each sending the whole megabyte at 2 workers
     assert traffic[0]["tx_bytes"] >= 3 * size
     assert not [n for n in leftovers(include_live=True) if n.startswith(f"gsm-{os.getpid()}-")]
+
+
+def test_the_suite_takes_a_frame_size_and_reuses_only_results_of_the_same_one(tmp_path):
+    import json
+
+    from benchmarks.network import QUICK, load_part, with_mtu
+
+    assert with_mtu(QUICK, 65535).mtu == 65535 and QUICK.mtu == 9000
+    for bad in (1279, 65536, 9000.0, True):
+        with pytest.raises(ValueError, match="--mtu"):
+            with_mtu(QUICK, bad)
+    (tmp_path / "network_a.json").write_text(json.dumps(
+        {"mode": "quick", "settings": {"mtu": 9000}, "result": {"rows": [1]}}))
+    assert load_part(tmp_path, "a", "quick", mtu=9000) == {"rows": [1]}
+    assert load_part(tmp_path, "a", "quick") == {"rows": [1]}  # any frames
+    assert load_part(tmp_path, "a", "quick", False, mtu=65535) is None
+    with pytest.raises(ValueError, match="65535-byte frames"):
+        load_part(tmp_path, "a", "quick", mtu=65535)
+    with pytest.raises(ValueError, match="full mode"):
+        load_part(tmp_path, "a", "full", mtu=9000)
