@@ -777,10 +777,7 @@ class SimComm:
                 stats.record_receive(p, nbytes, messages)
 
     def _record_traffic(self, sent: cost.Traffic, received: cost.Traffic) -> None:
-        for peer, nbytes, messages in sent:
-            self._record(peer, nbytes, sent=True, messages=messages)
-        for peer, nbytes, messages in received:
-            self._record(peer, nbytes, sent=False, messages=messages)
+        self._replay(self._plan(sent, received))
 
     def _plan(self, sent: cost.Traffic, received: cost.Traffic) -> _Plan:
         """What :meth:`_record_traffic` of ``sent`` and ``received`` adds, and to which
