@@ -36,11 +36,6 @@ def bare_step_times(steps: int, size: int) -> StepTimes:
     return timed_steps(sgd_step(model, opt, batch(0, size)), steps, warmup=10)
 
 
-def bare_step_seconds(steps: int, size: int) -> float:
-    """Median real time of one step of the model alone (after 10 untimed steps)."""
-    return bare_step_times(steps, size).median
-
-
 def sim_worker(comm, steps: int, size: int) -> float:
     """Real seconds per step of one simulated worker, all workers' steps included."""
     import gossamer

@@ -768,13 +768,11 @@ class SimComm:
     def _record(self, peer: int, nbytes: int, *, sent: bool, messages: int = 1) -> None:
         """Count traffic with ``peer`` (a rank of this view) here, in the enclosing groups
         and in the world stats, each in its own ranks."""
-        member = self._members[peer]
-        for stats, index in self._sinks:
-            p = member if index is None else index[member]
-            if sent:
-                stats.record_send(p, nbytes, messages)
-            else:
-                stats.record_receive(p, nbytes, messages)
+        traffic = [(peer, nbytes, messages)]
+        if sent:
+            self._record_traffic(traffic, [])
+        else:
+            self._record_traffic([], traffic)
 
     def _record_traffic(self, sent: cost.Traffic, received: cost.Traffic) -> None:
         self._replay(self._plan(sent, received))
