@@ -44,7 +44,7 @@ from benchmarks.local_sgd import find_runs, finished
 from gossamer.bench import Results, markdown_table
 
 #: DiLoCo at H = 16 with the outer step tuned for this run's 23 outer steps: a momentum of 0.9
-#: (the paper's, for thousands of inner steps) remembers about 10 of them
+#: (the paper's, tuned on long runs at H = 500) remembers about 10 of them
 TUNED_DILOCO = "diloco:period=16:outer_lr=1.0:outer_momentum=0.5"
 #: the compare entries; the local methods get ``warmup_steps`` of the recipe appended
 ENTRIES = ["allreduce", "localsgd:period=16", "diloco:period=8", "diloco:period=16",
