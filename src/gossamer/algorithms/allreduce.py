@@ -253,8 +253,10 @@ class AllReduceRuntime(Runtime):
         # averaged during backward already (overlap), or here; a worker with a non-finite
         # gradient sent zeros and its bit, and then no worker's gradients were replaced
         self.gradients.reduce(self.overflow)
-        self._found = self.gradients.found
-        if self._agree():
+        # the flags were read once after the reduction: unless a worker set its bit, every
+        # gradient was finite (the usual case, without reading them again)
+        self._found = self.gradients.found if self.gradients.flagged else None
+        if not self.gradients.flagged or self._agree():
             self.synchronizations += 1
         self.gradients.new_step()
 

@@ -95,6 +95,8 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     if not tensors:
         return True
     if tensors[0].is_cpu:  # no synchronisation to save: plain Python floats
+        if len(tensors) == 1:  # a flat buffer: one call, no generator
+            return math.isfinite(tensors[0].sum(dtype=torch.float32).item())
         return math.isfinite(sum(t.sum(dtype=torch.float32).item() for t in tensors))
     sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
     return math.isfinite(sums.sum().item())

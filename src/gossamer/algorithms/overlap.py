@@ -262,6 +262,12 @@ class GradientBuckets(BackwardSchedule):
         """This step's non-finite gradients, described (None: none)."""
         return describe_nonfinite(self._nonfinite, "gradient")
 
+    @property
+    def flagged(self) -> bool:
+        """Whether a worker flagged a non-finite gradient in this step's reduction (read once
+        the averages are written; then the gradients were left as they were)."""
+        return self._flags_dirty
+
     def _start(self, bucket: int) -> None:
         """Pack bucket ``bucket`` and start its all-reduce."""
         buffer = self._pack(bucket)
