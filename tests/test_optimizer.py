@@ -232,6 +232,44 @@ def test_before_eval_is_the_runtimes():
     assert SimWorld(2).run(worker) == [1, 1]
 
 
+def test_zero_grad_is_torchs():
+    """zero_grad() sets every gradient to None, zero_grad(set_to_none=False) zeroes them, a
+    profiler sees torch's record of it, and an optimizer's own zero_grad is the one called."""
+
+    class Counting(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            Counting.calls += 1
+            super().zero_grad(set_to_none)
+
+    def run(comm):
+        model = _model()
+        optimizer = gossamer.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce", comm)
+        _loss(model, 0).backward()
+        optimizer.zero_grad()
+        cleared = [p.grad is None for p in model.parameters()]
+        _loss(model, 1).backward()
+        optimizer.zero_grad(set_to_none=False)
+        zeroed = [p.grad is not None and not p.grad.any() for p in model.parameters()]
+        _loss(model, 2).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            optimizer.zero_grad()
+        profiled = [p.grad is None for p in model.parameters()]
+        names = {event.name for event in prof.events()}
+        counted = gossamer.distribute(
+            model, Counting(model.parameters(), lr=0.1), "allreduce", comm)
+        _loss(model, 3).backward()
+        counted.zero_grad()
+        return cleared, zeroed, profiled, names, [p.grad is None for p in model.parameters()]
+
+    cleared, zeroed, profiled, names, own = SimWorld(1).run(run)[0]
+    assert all(cleared) and all(zeroed) and all(profiled) and all(own)
+    assert "Optimizer.zero_grad#SGD.zero_grad" in names
+    assert Counting.calls == 1
+
+
 def test_step_hooks_and_the_profilers_record_are_torchs():
     """The step runs the global and the optimizer's own pre- and post-hooks in torch's order,
     a pre-hook may replace the arguments, and a profiler sees the step under torch's name."""

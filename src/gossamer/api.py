@@ -41,6 +41,10 @@ from gossamer.algorithms.buckets import apply_flat
 from gossamer.algorithms.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 
+#: torch's own ``Optimizer.zero_grad`` (DistributedOptimizer.zero_grad does its work directly
+#: for an optimizer that keeps it)
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
 
 def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` with what ``torch.optim.Optimizer`` wraps every step in: the global and the
@@ -147,7 +151,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.runtime.comm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """The wrapped optimizer's ``zero_grad``. With ``set_to_none`` (the default), for an
+        optimizer that keeps torch's own, done here as torch does it (every gradient set to
+        None), without the dynamo guard and the profiler record around it, which cost about
+        7 us a call where setting the gradients costs 0.3 us: a small model's whole step takes
+        300 us, and the simulator runs hundreds of them a step. Under a profiler or
+        ``torch.compile``, torch's own runs."""
+        inner = self.optimizer
+        if (set_to_none and type(inner).zero_grad is _TORCH_ZERO_GRAD
+                and not torch._C._autograd._profiler_enabled()
+                and not torch.compiler.is_compiling()):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
+        inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # during Optimizer.__init__ (the empty group), before the wrapped optimizer is set
