@@ -234,7 +234,8 @@ def test_before_eval_is_the_runtimes():
 
 def test_zero_grad_is_torchs():
     """zero_grad() sets every gradient to None, zero_grad(set_to_none=False) zeroes them, a
-    profiler sees torch's record of it, and an optimizer's own zero_grad is the one called."""
+    profiler sees torch's record of it, and an optimizer's own zero_grad (its class's, or one
+    set on the object) is the one called."""
 
     class Counting(torch.optim.SGD):
         calls = 0
@@ -262,12 +263,18 @@ def test_zero_grad_is_torchs():
             model, Counting(model.parameters(), lr=0.1), "allreduce", comm)
         _loss(model, 3).backward()
         counted.zero_grad()
-        return cleared, zeroed, profiled, names, [p.grad is None for p in model.parameters()]
+        own = [p.grad is None for p in model.parameters()]
+        patched = torch.optim.SGD(model.parameters(), lr=0.1)
+        patched_calls = []
+        patched.zero_grad = lambda set_to_none=True: patched_calls.append(set_to_none)
+        gossamer.distribute(model, patched, "allreduce", comm).zero_grad()
+        return cleared, zeroed, profiled, names, own, patched_calls
 
-    cleared, zeroed, profiled, names, own = SimWorld(1).run(run)[0]
+    cleared, zeroed, profiled, names, own, patched_calls = SimWorld(1).run(run)[0]
     assert all(cleared) and all(zeroed) and all(profiled) and all(own)
     assert "Optimizer.zero_grad#SGD.zero_grad" in names
     assert Counting.calls == 1
+    assert patched_calls == [True]
 
 
 def test_step_hooks_and_the_profilers_record_are_torchs():

@@ -156,9 +156,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         None), without the dynamo guard and the profiler record around it, which cost about
         7 us a call where setting the gradients costs 0.3 us: a small model's whole step takes
         300 us, and the simulator runs hundreds of them a step. Under a profiler or
-        ``torch.compile``, torch's own runs."""
+        ``torch.compile``, torch's own runs; an optimizer's own ``zero_grad`` (its class's or
+        one set on it) is always called."""
         inner = self.optimizer
         if (set_to_none and type(inner).zero_grad is _TORCH_ZERO_GRAD
+                and "zero_grad" not in vars(inner)  # nor one set on the object
                 and not torch._C._autograd._profiler_enabled()
                 and not torch.compiler.is_compiling()):
             for group in inner.param_groups:
