@@ -190,6 +190,7 @@ def training_steps(
     batch: int,
     straggler: dict[str, float] | None = None,
     simulated: bool = False,
+    compute_sleep: float = 0.0,
 ) -> dict[str, Any]:
     """Train the MLP of :data:`MLP_WIDTHS` with ``algorithm`` (a key of :data:`ALGORITHMS`) on
     a fixed random batch; time ``steps`` steps after ``warmup``, on this rank's own clock.
@@ -201,6 +202,11 @@ def training_steps(
     are replaced by copying fixed random gradients into ``.grad``: their time is declared by
     the compute model, so running them would only cost real time.
 
+    ``compute_sleep`` (seconds, gloo only): the forward and backward passes replaced the same
+    way, and the rank sleeps that long instead: compute that, like an accelerator's, leaves
+    the host's cores to the communication and the method's own work (compression, averaging,
+    the optimizer's step), which still run.
+
     Returns the seconds per step on this rank, the compute per step (forward, backward, any
     straggler sleep and the inner optimizer's step: what the simulator's compute model stands
     for; meaningless in the simulator), and the bytes sent per step.
@@ -208,6 +214,10 @@ def training_steps(
     import gossamer
     from gossamer.algorithms import create
 
+    if isinstance(compute_sleep, bool) or not isinstance(compute_sleep, (int, float)) \
+            or not compute_sleep >= 0:
+        raise ValueError(f"compute_sleep must be a number of seconds >= 0, got "
+                         f"{compute_sleep!r}")
     name, options = ALGORITHMS[algorithm]
     model = mlp(*MLP_WIDTHS)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -226,8 +236,9 @@ def training_steps(
     x = torch.randn(batch, MLP_WIDTHS[0], generator=g)
     y = torch.randint(0, MLP_WIDTHS[-1], (batch,), generator=g)
     factor = (straggler or {}).get(str(comm.rank), 1.0) if not simulated else 1.0
+    sleep = 0.0 if simulated else compute_sleep
     fixed = [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()] \
-        if simulated else None
+        if simulated or sleep else None
     timer = None if simulated else CommTimer.of(comm)
     # per step, the warm-up's included
     forward_backward: list[float] = []
@@ -242,6 +253,8 @@ def training_steps(
         else:
             for p, grad in zip(model.parameters(), fixed, strict=True):
                 p.grad = grad.clone()
+            if sleep:
+                time.sleep(sleep)
         forward_backward.append(time.perf_counter() - t0)
         if factor != 1.0:
             time.sleep((factor - 1) * statistics.median(forward_backward))

@@ -83,6 +83,10 @@ class Settings:
     warmup: int = 3  # steps not timed
     steps: int = 16  # steps timed: a multiple of local SGD's 8 and QSR's 4
     batch: int = 32  # per worker
+    # (b), (d): seconds each worker sleeps in place of its forward and backward passes (fixed
+    # gradients instead): an accelerator's compute, which leaves the host's cores to the
+    # communication; 0: the MLP's real forward and backward on the host's cores
+    compute_sleep: float = 0.0
     # (c): the simulator's network and compute: "fitted" (a's fit at the training setting) or
     # "nominal" (the link's rate, 50 us), with the measured spread of the local work unless
     # ", no jitter"; ", compute only": forward, backward and optimizer time instead of the
@@ -221,7 +225,8 @@ def _algorithms() -> list[str]:
 def _steps_task(settings: Settings, straggler: dict[str, float] | None = None):
     return {"kind": "training_steps", "args": {
         "algorithms": _algorithms(), "warmup": settings.warmup, "steps": settings.steps,
-        "batch": settings.batch, "straggler": straggler}}
+        "batch": settings.batch, "straggler": straggler,
+        "compute_sleep": settings.compute_sleep}}
 
 
 def summarize_steps(results: list[dict], traffic: list[dict] | None = None) -> dict[str, Any]:
@@ -245,7 +250,9 @@ def summarize_steps(results: list[dict], traffic: list[dict] | None = None) -> d
 def part_b(settings: Settings) -> dict[str, Any]:
     n, gbits = settings.train_workers, settings.train_gbits
     _say(f"(b) one training step of each algorithm, {n} workers, {gbits:g} Gbit/s, "
-         f"mtu {settings.mtu}")
+         f"mtu {settings.mtu}"
+         + (f", compute: a sleep of {settings.compute_sleep * 1e3:g} ms"
+            if settings.compute_sleep else ""))
     results, traffic = _run(_links(settings, n, gbits), _steps_task(settings), timeout=1800)
     summary = summarize_steps(results, traffic)
     base = summary["algorithms"]["allreduce"]["seconds_per_step"]
@@ -294,6 +301,18 @@ def compute_model(ranks: list[dict[str, Any]], jitter: bool = True,
     mean = statistics.fmean(means)
     return {"step_time": mean / math.exp(sigma**2 / 2),
             "stragglers": {r: t / mean for r, t in enumerate(means)}, "jitter": sigma}
+
+
+def traced_compute(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The simulator's compute parameters that replay each rank's measured local work step
+    by step (:class:`gossamer.comm.ComputeModel`'s ``trace``), turned so that the first step
+    after ``warmup`` untimed ones takes the first timed step's time."""
+    trace = {}
+    for r, rank in enumerate(ranks):
+        times = list(rank["local_steps"])
+        shift = -warmup % len(times)
+        trace[r] = times[shift:] + times[:shift]
+    return {"step_time": statistics.fmean(r["local_per_step"] for r in ranks), "trace": trace}
 
 
 def _simulate_one(algorithm: str, compute: dict[str, Any], network: dict[str, Any],

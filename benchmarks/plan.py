@@ -40,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models of the scale part")
     parser.add_argument("--algorithms", nargs="+", default=["allreduce", "sgp"],
                         help="methods of the scale part")
+    parser.add_argument("--compute-sleep", type=float, default=0.0, metavar="MS",
+                        help="the emulated parts: each worker sleeps MS milliseconds in place "
+                        "of its forward and backward passes, as an accelerator's compute "
+                        "leaves the host's cores to the communication (part b is then "
+                        "measured here, 4 workers too; default 0: the MLP's real passes)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="the parts that measure part b here: predict from the "
+                        "measurement an earlier run of the same part, frames and compute "
+                        "saved, instead of measuring again")
     from benchmarks.network import add_mtu_argument
 
     add_mtu_argument(parser)  # the emulated parts' frames
@@ -80,9 +89,11 @@ def _netbench_mlp():
 def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
                      ) -> dict[str, Any]:
     """The timing-only prediction of every algorithm of a network-suite part (b) result,
-    with part (c)'s declared compute (each rank's measured local work and its spread)."""
+    with each rank's measured local work per step as its compute, replayed step by step
+    (``predicted``), and, as part (c) declares it, each rank's mean local work with the
+    steps' spread drawn as log-normal jitter (``predicted_jitter``)."""
     from benchmarks.netbench_tasks import ALGORITHMS
-    from benchmarks.network import compute_model
+    from benchmarks.network import compute_model, traced_compute
     from gossamer.algorithms import create
     from gossamer.comm import ComputeModel
     from gossamer.plan import predict
@@ -90,29 +101,62 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
     out = {}
     for label, row in measured["algorithms"].items():
         name, options = ALGORITHMS[label]
-        compute = ComputeModel(**compute_model(row["ranks"]))
-        p = predict(create(name, options), len(row["ranks"]), _netbench_mlp, network=network,
-                    compute=compute, warmup=warmup, steps=steps, label=label,
-                    lr=0.01)  # the network suite's
+        found = {}
+        for key, compute in (("predicted", traced_compute(row["ranks"], warmup)),
+                             ("predicted_jitter", compute_model(row["ranks"]))):
+            found[key] = predict(create(name, options), len(row["ranks"]), _netbench_mlp,
+                                 network=network, compute=ComputeModel(**compute),
+                                 warmup=warmup, steps=steps, label=label,
+                                 lr=0.01)  # the network suite's
+        p = found["predicted"]
         out[label] = {"measured": row["seconds_per_step"], "predicted": p.step_time,
                       "ratio": p.step_time / row["seconds_per_step"],
+                      "predicted_jitter": found["predicted_jitter"].step_time,
                       "measured_bytes": row["bytes_per_step"],
                       "predicted_bytes": p.bytes_per_step}
         print(f"{label:13s} measured {row['seconds_per_step'] * 1e3:7.1f} ms, predicted "
-              f"{p.step_time * 1e3:7.1f} ms: {out[label]['ratio']:.2f}", flush=True)
+              f"{p.step_time * 1e3:7.1f} ms: {out[label]['ratio']:.2f} (with jitter "
+              f"{found['predicted_jitter'].step_time * 1e3:.1f} ms)", flush=True)
     for key in ("measured", "predicted"):
         base = out["allreduce"][key]
         for row in out.values():
             row[f"{key}_speedup"] = base / row[key]
+    print_table(out)
     return out
 
 
-def part_emulated(results: Results, mtu: int) -> dict[str, Any]:
+def print_table(rows: dict[str, dict[str, Any]], target: float = 0.15) -> None:
+    """BENCHMARKS.md's table of an emulated part: each algorithm's measured and predicted
+    time per step, speed-up and bytes, and whether the prediction is within ``target``."""
+    from gossamer.bench import markdown_table
+
+    cells = [[label, f"{r['measured'] * 1e3:.1f}", f"{r['predicted'] * 1e3:.1f}",
+              f"{r['ratio']:.2f}", "yes" if abs(r["ratio"] - 1) <= target else "no",
+              f"{r['measured_speedup']:.2f}x", f"{r['predicted_speedup']:.2f}x",
+              f"{r['measured_bytes'] / 1e6:.2f}", f"{r['predicted_bytes'] / 1e6:.2f}",
+              f"{r['predicted_jitter'] / r['measured']:.2f}" if "predicted_jitter" in r
+              else "-"]
+             for label, r in rows.items()]
+    header = ["algorithm", "measured ms / step", "predicted ms / step", "predicted / measured",
+              f"within {target:.0%}", "emulated speed-up", "predicted speed-up",
+              "MB sent / worker / step, measured", "predicted",
+              "predicted / measured, mean compute with jitter"]
+    missed = [label for label, r in rows.items() if abs(r["ratio"] - 1) > target]
+    print("\n" + "\n".join(markdown_table(header, cells)) + "\n")
+    print(f"Within {target:.0%}: {len(rows) - len(missed)} of {len(rows)}"
+          + (f"; missed: {', '.join(missed)}." if missed else "."), flush=True)
+
+
+def part_emulated(results: Results, mtu: int, compute_sleep: float = 0.0,
+                  reuse: bool = False) -> dict[str, Any]:
     import json
 
     from benchmarks.network import load_part
     from benchmarks.network_model import fitted_network
 
+    if compute_sleep:
+        return _measured_here(results, mtu, compute_sleep, workers=4, gbits=1.0,
+                              reuse=reuse)
     b = json.loads((results.folder / "network_b.json").read_text())
     settings = b["settings"]
     if settings["mtu"] != mtu:
@@ -126,18 +170,49 @@ def part_emulated(results: Results, mtu: int) -> dict[str, Any]:
                                            settings["steps"])}
 
 
-def part_emulated8(results: Results, mtu: int) -> dict[str, Any]:
+def part_emulated8(results: Results, mtu: int, compute_sleep: float = 0.0,
+                   reuse: bool = False) -> dict[str, Any]:
+    return _measured_here(results, mtu, compute_sleep, workers=8, gbits=0.1, reuse=reuse)
+
+
+def result_name(part: str, compute_sleep: float) -> str:
+    """The name of a part's results (``benchmarks/results/NAME.json``)."""
+    tag = f"_sleep{compute_sleep * 1e3:g}ms" if compute_sleep and part.startswith("emulated") \
+        else ""
+    return f"plan_{part}{tag}"
+
+
+def _measured_here(results: Results, mtu: int, compute_sleep: float, *, workers: int,
+                   gbits: float, reuse: bool = False) -> dict[str, Any]:
+    """Part (b) of the network suite measured here with ``workers`` at ``gbits`` Gbit/s and
+    frames of ``mtu`` bytes (the forward and backward a sleep of ``compute_sleep`` seconds
+    unless 0), and its prediction: the links' rate and (a)'s fitted latency at 4 workers and
+    1 Gbit/s ((a) fits no 8-worker all-reduce). With ``reuse``, the measurement that an
+    earlier run of the same settings saved instead of a new one."""
+    import json
+
     from benchmarks.network import QUICK, load_part, part_b, with_mtu
     from benchmarks.network_model import fitted_network
     from gossamer.comm import NetworkModel
 
-    settings = dataclasses.replace(with_mtu(QUICK, mtu), train_workers=8, train_gbits=0.1)
+    settings = dataclasses.replace(with_mtu(QUICK, mtu), train_workers=workers,
+                                   train_gbits=gbits, compute_sleep=compute_sleep)
     a = load_part(results.folder, "a", settings.mode, mtu=mtu)  # before minutes of part b
-    measured = part_b(settings)
+    part = "emulated8" if workers == 8 else "emulated"
+    saved = results.folder / f"{result_name(part, compute_sleep)}.json"
+    if reuse:
+        earlier = json.loads(saved.read_text())["result"] if saved.is_file() else {}
+        if earlier.get("mtu") != mtu or "measured" not in earlier:
+            raise SystemExit(f"--reuse: {saved} holds no measurement of {workers} workers "
+                             f"with {mtu}-byte frames: run without --reuse")
+        measured = earlier["measured"]
+        print(f"{part}: the measurement saved in {saved}", flush=True)
+    else:
+        measured = part_b(settings)
     latency = fitted_network(a, 4, 1.0).latency
-    network = NetworkModel(latency=latency, bandwidth=0.1e9 / 8)
+    network = NetworkModel(latency=latency, bandwidth=gbits * 1e9 / 8)
     return {"network": {"latency": latency, "bandwidth": network.bandwidth}, "mtu": mtu,
-            "measured": measured,
+            "compute_sleep": compute_sleep, "measured": measured,
             "algorithms": predict_measured(measured, network, settings.warmup, settings.steps)}
 
 
@@ -169,14 +244,17 @@ def part_published() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, results: Results) -> int:
+    if not args.compute_sleep >= 0:
+        raise SystemExit(f"--compute-sleep must be >= 0 ms, got {args.compute_sleep}")
+    sleep = args.compute_sleep / 1e3
     for part in args.parts:
         if part == "scale":
             data: Any = part_scale(args)
         elif part == "emulated":
-            data = part_emulated(results, args.mtu)
+            data = part_emulated(results, args.mtu, sleep, args.reuse)
         elif part == "emulated8":
-            data = part_emulated8(results, args.mtu)
+            data = part_emulated8(results, args.mtu, sleep, args.reuse)
         else:
             data = part_published()
-        results.write(f"plan_{part}", {"part": part, "result": data})
+        results.write(result_name(part, sleep), {"part": part, "result": data})
     return 0

@@ -176,6 +176,64 @@ def test_compute_model_stragglers_and_jitter_are_reproducible():
     assert world.report.steps == [3, 3]
 
 
+def test_a_trace_replays_each_ranks_step_times_in_turn_and_from_a_checkpoint():
+    model = ComputeModel(step_time=0.1, stragglers={1: 2.0}, jitter=0.5,
+                         trace={0: [0.01, 0.02, 0.04], 1: [0.5]})
+
+    def steps(comm, n):
+        for _ in range(n):
+            comm.compute_step()
+        return comm.clock(), comm.simulation_state()
+
+    world = SimWorld(3, compute=model)
+    (clock0, state0), (clock1, _), (clock2, _) = world.run(steps, 4)
+    assert clock0 == pytest.approx(0.01 + 0.02 + 0.04 + 0.01)  # from the first again
+    assert clock1 == pytest.approx(4 * 0.5 * 2.0)  # stragglers apply, jitter does not
+    assert clock2 != pytest.approx(0.4)  # an untraced rank: step_time with jitter
+    assert world.report.steps == [4, 4, 4]
+
+    def resumed(comm, state, n):  # as a run from a checkpoint of step 4 goes on
+        comm.load_simulation_state(state)
+        return steps(comm, n)
+
+    states = [state0, state0, state0]
+    clock, _ = SimWorld(3, compute=model).run(lambda c: resumed(c, states[c.rank], 2))[0]
+    assert clock == pytest.approx(0.02 + 0.04)  # its 5th and 6th steps
+
+
+@pytest.mark.parametrize("trace, match", [
+    ({0: []}, r"trace\[0\] must be a non-empty sequence"),
+    ({0: 0.1}, r"trace\[0\] must be a non-empty sequence"),
+    ({0: [0.1, -1.0]}, r"trace\[0\]\[1\] must be >= 0"),
+    ({0: [float("nan")]}, r"trace\[0\]\[0\] must be a number"),
+])
+def test_a_bad_trace_is_named(trace, match):
+    with pytest.raises(ValueError, match=match):
+        ComputeModel(trace=trace)
+    with pytest.raises(ValueError, match="compute.trace"):
+        SimWorld(2, compute=ComputeModel(trace={2: [0.1]}))
+    with pytest.raises(ValueError, match="measured compute model takes no trace"):
+        ComputeModel(measured=True, trace={0: [0.1]})
+
+
+def test_an_all_gather_takes_the_shapes_round_then_the_payloads_as_the_real_ones_do():
+    from gossamer.comm.p2p_group import HEADER_BYTES, shape_header
+
+    assert shape_header(torch.zeros(2, 3)).numel() * 8 == HEADER_BYTES
+
+    def fn(comm):
+        comm.all_gather(torch.zeros(1000 * (comm.rank + 1)))  # 4000, 8000, 12000 bytes
+        after_one = comm.clock()
+        comm.all_gather(torch.zeros(0))  # the shapes alone
+        return after_one, comm.clock() - after_one
+
+    net = NetworkModel(latency=1e-3, bandwidth=1e6)
+    results = SimWorld(3, network=net, compute=ComputeModel(step_time=0.0)).run(fn)
+    header = 2 * (1e-3 + HEADER_BYTES / 1e6)  # two steps of the ring
+    payload = 2 * (1e-3 + 12000 / 1e6)  # each step as slow as its largest block
+    assert results == [pytest.approx((header + payload, header))] * 3
+
+
 def test_dead_worker_named_after_timeout():
     world = SimWorld(4, timeout=5.0, compute=ComputeModel(step_time=1.0))
 

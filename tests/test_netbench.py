@@ -139,3 +139,67 @@ def test_the_suite_takes_a_frame_size_and_reuses_only_results_of_the_same_one(tm
         load_part(tmp_path, "a", "quick", mtu=65535)
     with pytest.raises(ValueError, match="full mode"):
         load_part(tmp_path, "a", "full", mtu=9000)
+
+
+def _sleeping_steps(sleep: float) -> dict:
+    from benchmarks.netbench_tasks import training_steps
+    from gossamer.comm import TorchCommunicator
+
+    comm = TorchCommunicator.from_env(timeout=60)
+    try:
+        return training_steps(comm, "allreduce", warmup=1, steps=2, batch=4,
+                              compute_sleep=sleep)
+    finally:
+        comm.close()
+
+
+@pytest.mark.gloo
+def test_the_steps_can_sleep_in_place_of_the_forward_and_backward():
+    _benchmarks_importable()
+    from benchmarks.netbench_tasks import training_steps
+    from gossamer.testing import spawn_gloo
+
+    for bad in (-0.1, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="compute_sleep"):
+            training_steps(None, "allreduce", warmup=0, steps=1, batch=1, compute_sleep=bad)
+    # a sleep far longer than the MLP's forward and backward at a batch of 4
+    results = spawn_gloo(_sleeping_steps, 2, args=(0.4,), timeout=120)
+    for r in results:
+        assert 0.4 <= r["compute_per_step"] < 0.6
+        assert r["seconds_per_step"] >= 0.4
+        assert r["bytes_per_step"] > 0  # the all-reduce still runs
+
+
+def test_the_prediction_replays_each_ranks_measured_steps_from_the_first_timed_one():
+    _benchmarks_importable()
+    from benchmarks.network import traced_compute
+    from gossamer.comm import ComputeModel
+
+    ranks = [{"local_steps": [1.0, 2.0, 3.0, 4.0], "local_per_step": 2.5},
+             {"local_steps": [5.0, 6.0, 7.0, 8.0], "local_per_step": 6.5}]
+    model = ComputeModel(**traced_compute(ranks, warmup=3))
+    # the simulation's steps 3 to 6 are the timed ones: the measured steps in their order
+    assert [model.step_duration(0, None, k) for k in range(3, 7)] == [1.0, 2.0, 3.0, 4.0]
+    assert [model.step_duration(1, None, k) for k in range(3, 7)] == [5.0, 6.0, 7.0, 8.0]
+    assert model.step_time == 4.5
+
+
+def test_plan_reuse_needs_a_saved_measurement_of_the_same_frames(tmp_path):
+    import json
+
+    from gossamer.bench import cli as bench_cli
+    from gossamer.cli import build_parser
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "network_a.json").write_text(json.dumps(
+        {"mode": "quick", "settings": {"mtu": 9000}, "result": {"rows": []}}))
+    argv = ["bench", "--results", str(results), "--figures", str(tmp_path), "plan",
+            "--parts", "emulated8", "--reuse"]
+    with pytest.raises(SystemExit, match="--reuse: .*plan_emulated8.json holds no measurement "
+                                         "of 8 workers with 9000-byte frames"):
+        bench_cli.run(build_parser().parse_args(argv))
+    (results / "plan_emulated8.json").write_text(json.dumps(
+        {"part": "emulated8", "result": {"mtu": 65535, "measured": {}}}))
+    with pytest.raises(SystemExit, match="9000-byte frames"):  # saved with other frames
+        bench_cli.run(build_parser().parse_args(argv))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,7 +97,10 @@ class ComputeModel:
 
     ``duration = step_time * stragglers.get(rank, 1) * jitter_factor``, where the jitter factor
     is drawn from a log-normal of standard deviation ``jitter`` by a generator seeded from the
-    world's seed and the rank, so it is reproducible. With ``measured=True`` the real time the
+    world's seed and the rank, so it is reproducible. A rank in ``trace`` replays its step
+    times instead: its k-th step takes ``trace[rank][k % len(trace[rank])] *
+    stragglers.get(rank, 1)``, no jitter (the times measured on a real run, to predict that
+    run's communication with exactly its compute). With ``measured=True`` the real time the
     worker's code took since its previous step is used instead (not reproducible).
 
     Args:
@@ -105,20 +108,39 @@ class ComputeModel:
         stragglers: rank -> slowdown factor, e.g. ``{3: 4.0}`` makes rank 3 four times slower.
         jitter: relative spread of step times (default 0, none).
         measured: use measured time instead of ``step_time`` (default False).
+        trace: rank -> the seconds of its successive steps, replayed in turn and from the
+            first again after the last (default: none).
+
+    Example::
+
+        ComputeModel(step_time=0.1, trace={0: [0.08, 0.12, 0.3]})  # rank 0: its own times
     """
 
     step_time: float = 0.01  # higher: communication matters less relative to compute
     stragglers: Mapping[int, float] = field(default_factory=dict)
     jitter: float = 0.0  # higher: more variable step times, more waiting in synchronous methods
     measured: bool = False
+    trace: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_positive("step_time", self.step_time, allow_zero=True)
         check_positive("jitter", self.jitter, allow_zero=True)
         for rank, factor in self.stragglers.items():
             check_positive(f"stragglers[{rank}]", factor, allow_zero=False)
+        if self.trace and self.measured:
+            raise ValueError("trace: a measured compute model takes no trace")
+        for rank, times in self.trace.items():
+            if isinstance(times, (str, bytes)) or not isinstance(times, Sequence) or not times:
+                raise ValueError(f"trace[{rank}] must be a non-empty sequence of seconds, got "
+                                 f"{times!r}")
+            for k, t in enumerate(times):
+                check_positive(f"trace[{rank}][{k}]", t, allow_zero=True)
 
-    def step_duration(self, rank: int, rng: np.random.Generator) -> float:
+    def step_duration(self, rank: int, rng: np.random.Generator, step: int = 0) -> float:
+        """Seconds of ``rank``'s ``step``-th step (counted from 0); ``rng`` draws its jitter."""
+        times = self.trace.get(rank)
+        if times is not None:
+            return times[step % len(times)] * self.stragglers.get(rank, 1.0)
         duration = self.step_time * self.stragglers.get(rank, 1.0)
         if self.jitter > 0:
             duration *= float(rng.lognormal(mean=0.0, sigma=self.jitter))

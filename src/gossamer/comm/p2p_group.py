@@ -370,6 +370,10 @@ def numel_of(shape: Sequence[int]) -> int:
     return total
 
 
+#: bytes of :func:`shape_header`: what an all-gather sends before its payloads
+HEADER_BYTES = (2 + _MAX_DIMS) * 8
+
+
 def shape_header(tensor: torch.Tensor) -> torch.Tensor:
     """``[ndim, dtype code, *shape, 0...]`` as int64 on the CPU, the same length on every rank."""
     if tensor.dim() > _MAX_DIMS:

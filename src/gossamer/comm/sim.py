@@ -67,7 +67,7 @@ from gossamer.comm.base import (
 )
 from gossamer.comm.faults import InjectedFault
 from gossamer.comm.network import ComputeModel, NetworkModel
-from gossamer.comm.p2p_group import divide_
+from gossamer.comm.p2p_group import HEADER_BYTES, divide_
 
 _READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
 
@@ -119,6 +119,7 @@ class _Worker:
         self.compute_time = 0.0
         self.idle_time = 0.0
         self.steps = 0
+        self.steps_before = 0  # a resumed run's steps before its checkpoint (a trace's place)
         self.slowdown = 1.0  # compute takes this many times as long (fault injection)
         self.active_time = 0.0  # real seconds run since the last compute_step (measured mode)
         self.resumed_at = 0.0
@@ -207,6 +208,8 @@ class SimWorld:
         self.compute = compute if compute is not None else ComputeModel()
         for rank in self.compute.stragglers:
             check_rank(rank, world_size, "compute.stragglers")
+        for rank in self.compute.trace:
+            check_rank(rank, world_size, "compute.trace")
         self.seed = seed
         self.timeout = float(timeout)
         self.real_timeout = float(real_timeout)
@@ -854,8 +857,13 @@ class SimComm:
             sizes = [tensor_nbytes(t) for t in parts]
             # Each member gets copies of its own: it may modify them in place.
             results = {m: (sizes, [t.detach().clone() for t in parts]) for m in p.members}
-            start = p.last
-            return start + cost.ring_all_gather_time(sizes, world.network, p.members), results
+            # as the real communicators do it: the shapes first, in a small header gathered
+            # alike, then the payloads (none when every one is empty)
+            duration = cost.ring_all_gather_time([HEADER_BYTES] * len(p.members),
+                                                 world.network, p.members)
+            if max(sizes):
+                duration += cost.ring_all_gather_time(sizes, world.network, p.members)
+            return p.last + duration, results
 
         signature = ("all_gather", tensor.dtype, tensor.dim())
         if n == 1:
@@ -992,13 +1000,17 @@ class SimComm:
 
     def simulation_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this simulated worker beyond the training's own state:
-        the generator of its compute model's draws (``jitter``), so that a resumed run draws
-        the step times that a run never interrupted would have drawn."""
-        return {"compute_rng": self._worker.rng.bit_generator.state}
+        the generator of its compute model's draws (``jitter``) and its count of steps (the
+        place in a ``trace``), so that a resumed run takes the step times that a run never
+        interrupted would have taken."""
+        return {"compute_rng": self._worker.rng.bit_generator.state,
+                "compute_steps": self._worker.steps + self._worker.steps_before}
 
     def load_simulation_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`simulation_state`'s ``state``."""
         self._worker.rng.bit_generator.state = dict(state["compute_rng"])
+        w = self._worker
+        w.steps_before = int(state.get("compute_steps", w.steps + w.steps_before)) - w.steps
 
     def compute_step(self) -> None:
         w = self._worker
@@ -1008,7 +1020,7 @@ class SimComm:
             duration = w.active_time + (now - w.resumed_at)
             w.active_time, w.resumed_at = 0.0, now
         else:
-            duration = model.step_duration(w.rank, w.rng)
+            duration = model.step_duration(w.rank, w.rng, w.steps_before + w.steps)
         duration *= w.slowdown
         w.clock += duration
         w.compute_time += duration
