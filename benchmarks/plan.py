@@ -6,15 +6,23 @@
     gossamer bench plan --parts emulated emulated8 --mtu 65535   # after the suite's a, b
                                                                  # with the same --mtu
     gossamer bench plan --parts published
+    gossamer bench plan --parts emulated emulated8 --mtu 65535 --compute-sleep 50
+    gossamer bench plan --parts emulated8 --mtu 65535 --reuse   # predict the saved measurement
 
 - ``scale``: real time, CPU time and peak memory of one timing-only prediction (1 warm-up and
   1 measured step of AllReduce and SGP) at each worker count and model.
 - ``emulated``: the plan's timing-only prediction of part (b) of the network suite (4 gloo
-  workers at 1 Gbit/s, the 5.8M-parameter MLP), with part (c)'s declared parameters: each
-  rank's measured local work as compute, with its spread, and (a)'s fitted alpha and beta.
+  workers at 1 Gbit/s, the 5.8M-parameter MLP): each rank's measured local work replayed
+  step by step as its compute (``ComputeModel(trace=...)``), and (a)'s fitted alpha and beta.
+  Beside it, the prediction with part (c)'s compute: each rank's mean local work and the
+  steps' spread as log-normal jitter.
 - ``emulated8``: part (b) again with 8 workers at 100 Mbit/s, measured here (Linux, root, tc),
   and its prediction with the same declared parameters (the network: the links' rate and
   (a)'s fitted latency at 4 workers and 1 Gbit/s; (a) fits no 8-worker all-reduces).
+- With ``--compute-sleep MS`` each emulated worker sleeps MS milliseconds in place of its
+  forward and backward passes (fixed gradients): an accelerator's compute, which leaves the
+  host's cores to the messages and the methods' own work; the 4-worker part is then measured
+  here too.
 - ``published``: the settings of the SGP paper (32 nodes on 10 Gbit/s Ethernet, ResNet-50,
   against AllReduce) and of the DGC paper (1 Gbit/s Ethernet, ResNet-50), predicted.
 """
