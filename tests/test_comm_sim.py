@@ -234,6 +234,18 @@ def test_an_all_gather_takes_the_shapes_round_then_the_payloads_as_the_real_ones
     assert results == [pytest.approx((header + payload, header))] * 3
 
 
+def test_a_ring_all_gather_of_equal_blocks_costs_what_the_step_by_step_sum_gives():
+    net = NetworkModel(latency=1e-4, bandwidth=1e6, link_bandwidth={(2, 3): 2e5})
+    members = [0, 1, 2, 3, 4]
+    for sizes in ([700] * 5, [700, 700, 700, 701, 700]):
+        expected = 0.0
+        for s in range(4):  # the general rule, written out
+            expected += max(net.message_time(members[i], members[(i + 1) % 5], sizes[(i - s) % 5])
+                            for i in range(5))
+        assert cost.ring_all_gather_time(sizes, net, members) == expected
+    assert cost.ring_all_gather_time([700], net, [0]) == 0.0
+
+
 def test_dead_worker_named_after_timeout():
     world = SimWorld(4, timeout=5.0, compute=ComputeModel(step_time=1.0))
 

@@ -371,7 +371,7 @@ def numel_of(shape: Sequence[int]) -> int:
 
 
 #: bytes of :func:`shape_header`: what an all-gather sends before its payloads
-HEADER_BYTES = (2 + _MAX_DIMS) * 8
+HEADER_BYTES = (2 + _MAX_DIMS) * torch.int64.itemsize
 
 
 def shape_header(tensor: torch.Tensor) -> torch.Tensor:
@@ -379,7 +379,7 @@ def shape_header(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dim() > _MAX_DIMS:
         raise ValueError(f"all_gather supports at most {_MAX_DIMS} dims, got {tensor.dim()}")
     code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    header = torch.zeros(HEADER_BYTES // torch.int64.itemsize, dtype=torch.int64)
     header[0], header[1] = tensor.dim(), code
     header[2: 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     return header
