@@ -244,3 +244,32 @@ def test_overlapped_all_reduce_starts_during_backward_and_equals_the_plain_one()
         assert torch.allclose(each[rank]["params"], plain[rank]["params"], atol=1e-5)
         assert synced[rank]["bytes"] == plain[rank]["bytes"]
         assert each[rank]["bytes"] == 2 * plain[rank]["bytes"]
+
+
+@pytest.mark.parametrize("name, overlapped, plain", [
+    ("allreduce", 2, 1),  # the first bucket (the last layer's, 1 MiB at most), then the rest
+    # overlapped: the first bucket's biases, its last layer's P and Q, then the first layer's
+    # P and Q; plain: the biases, then P and Q of both layers
+    ("powersgd", 5, 3),
+])
+def test_a_small_first_bucket_only_where_the_buckets_overlap_backward(name, overlapped, plain):
+    # 784-2048-10: 6.5 MB of gradients, one 25 MiB bucket; to overlap, DDP's first bucket of
+    # at most 1 MiB starts early, and costs one collective more per step. Without the
+    # overlap it gains nothing: the buckets are all of bucket_mb.
+    def worker(comm, overlap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(784, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  create(name, {"overlap": overlap}), comm)
+        x = torch.randn(4, 784, generator=torch.Generator().manual_seed(comm.rank))
+        before = comm.stats.operations["all_reduce"]
+        model(x).square().mean().backward()
+        opt.step()
+        return comm.stats.operations["all_reduce"] - before, [p.detach().clone()
+                                                              for p in model.parameters()]
+
+    (calls, params), _ = SimWorld(2).run(worker, True)
+    (calls_plain, params_plain), _ = SimWorld(2).run(worker, False)
+    assert (calls, calls_plain) == (overlapped, plain)
+    for a, b in zip(params, params_plain, strict=True):  # the same average either way
+        torch.testing.assert_close(a, b, rtol=0, atol=0 if name == "allreduce" else 1e-6)

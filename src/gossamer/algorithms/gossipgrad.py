@@ -55,7 +55,7 @@ from torch import nn
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
 from gossamer.algorithms.buckets import Buckets, apply_flat
-from gossamer.algorithms.overlap import FIRST_BUCKET_BYTES, ThreadedBuckets, overlaps
+from gossamer.algorithms.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.compress.base import Compressor, Memory, value_dtype
@@ -190,7 +190,7 @@ class GossipBuckets(ThreadedBuckets):
     Args:
         runtime: the worker's runtime (its gossip, compressor, memory and step).
         named: ``(name, parameter)`` in bucket order (reverse registration order).
-        bucket_bytes: bytes per bucket at most (the first at most 1 MiB).
+        bucket_bytes: bytes per bucket at most (the first at most 1 MiB to overlap).
         overlap: start the buckets during backward where the communicator can.
     """
 
@@ -200,7 +200,7 @@ class GossipBuckets(ThreadedBuckets):
                  bucket_bytes: int, overlap: bool = True) -> None:
         self.runtime = runtime
         self.buckets = Buckets([p for _, p in named], bucket_bytes=bucket_bytes,
-                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
+                               first_bytes=first_bucket_bytes(bucket_bytes, overlap))
         super().__init__(named, [bucket for bucket, _, _ in self.buckets.slots],
                          overlap and overlaps(runtime.comm))
 

@@ -1,15 +1,17 @@
 """Gradient communication started during backward, bucket by bucket, as DDP starts it.
 
 The trainable parameters go into buckets in reverse registration order (backward produces the
-last layers' gradients first, so the first buckets fill first), the first of them at most
-1 MiB as DDP's. On a communicator of real processes (one with ``all_reduce_async``: the
-:class:`~gossamer.comm.TorchCommunicator`), a hook on each parameter's gradient accumulation
-notes that its gradient is ready; as soon as every gradient of a bucket is, and every bucket
-before it has started, the bucket's communication starts, while backward goes on computing the
-gradients of the layers below. Buckets start in the same order on every worker, whatever the
-order the gradients arrive in, so every worker's collectives match. When backward ends (an
-autograd engine callback) the buckets not started yet start (a parameter without a gradient
-counts as zeros), everything is waited for, and the results are written into the gradients.
+last layers' gradients first, so the first buckets fill first), the first of them at most 1 MiB
+as DDP's (only to overlap: without it a small first bucket would be one collective more, one
+more latency, for nothing). On a communicator of real processes (one with ``all_reduce_async``:
+the :class:`~gossamer.comm.TorchCommunicator`), a hook on each parameter's gradient
+accumulation notes that its gradient is ready; as soon as every gradient of a bucket is, and
+every bucket before it has started, the bucket's communication starts, while backward goes on
+computing the gradients of the layers below. Buckets start in the same order on every worker,
+whatever the order the gradients arrive in, so every worker's collectives match. When backward
+ends (an autograd engine callback) the buckets not started yet start (a parameter without a
+gradient counts as zeros), everything is waited for, and the results are written into the
+gradients.
 :class:`BackwardSchedule` is that bookkeeping; what a bucket's communication is belongs to
 its subclasses:
 
@@ -56,6 +58,15 @@ _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 FIRST_BUCKET_BYTES = 2**20
 
 NamedParameters = Sequence[tuple[str, nn.Parameter]]
+
+
+def first_bucket_bytes(bucket_bytes: int, overlap: bool) -> int | None:
+    """The first bucket's limit: :data:`FIRST_BUCKET_BYTES` (at most ``bucket_bytes``) when the
+    buckets are to overlap backward, where it starts early; otherwise None, the same limit as
+    the others (a small first bucket would cost a collective more per step, and gain nothing).
+    ``overlap`` is the configuration's, not whether this communicator can overlap, so that the
+    simulator's buckets are those of a real run."""
+    return min(FIRST_BUCKET_BYTES, bucket_bytes) if overlap else None
 
 
 def overlaps(comm: Communicator) -> bool:
@@ -216,7 +227,7 @@ class GradientBuckets(BackwardSchedule):
         self.comm = comm
         ordered = list(reversed(named))  # bucket order
         self.buckets = Buckets([p for _, p in ordered] + [flags], bucket_bytes=bucket_bytes,
-                               first_bytes=min(FIRST_BUCKET_BYTES, bucket_bytes))
+                               first_bytes=first_bucket_bytes(bucket_bytes, overlap))
         self.flags = self.buckets.views[-1]
         self.views = self.buckets.views[:-1]
         super().__init__(ordered, [bucket for bucket, _, _ in self.buckets.slots[:-1]],
@@ -424,7 +435,7 @@ class CompressedBuckets(ThreadedBuckets):
             registration order to overlap, or any order that every worker shares.
         reducer: the reducer (only this object's calls use it while backward runs).
         flags: the non-finite flags; they ride on the last bucket's first collective.
-        bucket_bytes: bytes per bucket at most (the first at most 1 MiB).
+        bucket_bytes: bytes per bucket at most (the first at most 1 MiB to overlap).
         step: the optimizer step of the gradients being reduced (it seeds compressors).
         prepare: called on each bucket's ``(name, parameter)`` before it is compressed, with
             the gradients present (a missing one is zeros): weight decay in the gradient.
@@ -439,7 +450,7 @@ class CompressedBuckets(ThreadedBuckets):
         self.comm, self.reducer, self.flags = comm, reducer, flags
         self._step, self._prepare_bucket = step, prepare
         slots, _, _ = layout([p for _, p in named], bucket_bytes,
-                             min(FIRST_BUCKET_BYTES, bucket_bytes))
+                             first_bucket_bytes(bucket_bytes, overlap))
         super().__init__(named, [bucket for bucket, _, _ in slots], overlap and overlaps(comm))
 
     def _begin(self) -> None:
