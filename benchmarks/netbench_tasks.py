@@ -28,10 +28,13 @@ from gossamer.bench.models import NETBENCH_MLP
 
 # label -> (registry name, options). WAGMA's default group is 4 workers, at 4 workers the whole
 # world (3 model copies sent per step); groups of 2 (sqrt(4)) keep it a group method.
-# AllReduce averages after backward here (overlap=False): the simulator does not model the
-# overlap with backward, and the time in the communicator is what these tables split off from
-# the local work (an overlapped all-reduce waits inside backward); the overlap is measured
-# against DDP by benchmarks/allreduce_vs_ddp.py.
+# AllReduce and its compressed aliases (DGC, PowerSGD) average after backward here
+# (overlap=False): the simulator does not model the overlap with backward, and the time in the
+# communicator is what these tables split off from the local work. Overlapped, a dense bucket's
+# all-reduce waits inside backward, and a compressed bucket is compressed and exchanged on a
+# communication thread while backward runs, so its collectives' time (which then includes
+# waiting for the ranks still in backward) is no longer a part of the step apart from the local
+# work. The overlap is measured against DDP by benchmarks/allreduce_vs_ddp.py.
 ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "allreduce": ("allreduce", {"overlap": False}),
     "sgp": ("sgp", {}),
@@ -41,8 +44,8 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "localsgd H=8": ("localsgd", {"period": 8}),
     "qsr": ("qsr", {"period": 4, "alpha": 0.1}),
     "wagma": ("wagma", {"group_size": 2}),
-    "dgc": ("dgc", {}),
-    "powersgd": ("powersgd", {}),
+    "dgc": ("dgc", {"overlap": False}),
+    "powersgd": ("powersgd", {"overlap": False}),
     "gossipgrad": ("gossipgrad", {}),
 }
 MLP_WIDTHS = NETBENCH_MLP  # 784-2048-2048-10 on MNIST-shaped input: 23.3 MB of float32
@@ -69,23 +72,38 @@ class CommTimer:
 
     What is left of a step is the worker's local work: forward, backward, the optimizer, the
     algorithm's own computation (compression, mixing). :func:`training_steps` gives that to the
-    simulator as its compute time.
+    simulator as its compute time, in the parts between the calls (:attr:`calls`), where the
+    simulator charges them (:class:`gossamer.comm.ComputeModel`'s ``trace``).
+
+    The subgroups that ``comm.group`` makes are timed alike, and one of their collectives is one
+    call (the exchanges that carry it are inside it), as the simulator's subgroups make one.
     """
 
     def __init__(self, comm) -> None:
         self.total = 0.0
+        self.calls: list[tuple[float, float]] = []  # (start, end) of each call, in order
         self._depth = 0  # a call made inside another is not counted twice
+        self._install(comm)
+        comm._netbench_timer = self
+
+    def _install(self, comm) -> None:
         for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
             setattr(comm, name, self._timed(getattr(comm, name)))
         exchange = self._timed(comm.exchange)
+        group = comm.group
 
         def timed_exchange(*args: Any, **kwargs: Any):
             handle = exchange(*args, **kwargs)
             handle.wait = self._timed(handle.wait)
             return handle
 
+        def timed_group(*args: Any, **kwargs: Any):
+            made = group(*args, **kwargs)
+            self._install(made)
+            return made
+
         comm.exchange = timed_exchange
-        comm._netbench_timer = self
+        comm.group = timed_group
 
     def _timed(self, fn):
         def wrapper(*args: Any, **kwargs: Any):
@@ -96,7 +114,9 @@ class CommTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - start
+                end = time.perf_counter()
+                self.total += end - start
+                self.calls.append((start, end))
                 self._depth -= 1
 
         return wrapper
@@ -231,6 +251,8 @@ def training_steps(
 
     inner.register_step_pre_hook(pre)
     inner.register_step_post_hook(post)
+    # before the runtime is bound: the subgroups it makes are timed too
+    timer = None if simulated else CommTimer.of(comm)
     opt = gossamer.distribute(model, inner, create(name, options), comm)
     g = torch.Generator().manual_seed(1000 + comm.rank)
     x = torch.randn(batch, MLP_WIDTHS[0], generator=g)
@@ -239,14 +261,15 @@ def training_steps(
     sleep = 0.0 if simulated else compute_sleep
     fixed = [torch.randn(p.shape, generator=g) * 1e-3 for p in model.parameters()] \
         if simulated or sleep else None
-    timer = None if simulated else CommTimer.of(comm)
     # per step, the warm-up's included
     forward_backward: list[float] = []
     computes: list[float] = []
     in_comm_steps: list[float] = []  # real time inside the communicator's calls
+    parts: list[list[float]] = []  # the local work before, between and after those calls
 
     def step() -> None:
         t0, comm_before = time.perf_counter(), timer.total if timer else 0.0
+        calls_before = len(timer.calls) if timer else 0
         if fixed is None:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -263,6 +286,10 @@ def training_steps(
         opt.step()
         computes.append(compute + optimizer_time[0] - before)
         in_comm_steps.append((timer.total - comm_before) if timer else 0.0)
+        if timer:
+            ends = [t0] + [end for _, end in timer.calls[calls_before:]]
+            starts = [start for start, _ in timer.calls[calls_before:]] + [time.perf_counter()]
+            parts.append([start - end for start, end in zip(starts, ends, strict=True)])
 
     at_start: dict[str, Any] = {}
 
@@ -292,6 +319,8 @@ def training_steps(
         "comm_per_step": in_comm / steps,
         "local_per_step": (elapsed - in_comm) / steps,
         "local_steps": locals_,
+        # per timed step: the local work between its communicator calls (ComputeModel's trace)
+        "local_parts": parts[warmup:],
         "bytes_per_step": sent / steps,
         # CPU seconds of this process (all its threads, gloo's included) per step
         "cpu_per_step": cpu / steps,

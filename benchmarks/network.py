@@ -306,10 +306,12 @@ def compute_model(ranks: list[dict[str, Any]], jitter: bool = True,
 def traced_compute(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """The simulator's compute parameters that replay each rank's measured local work step
     by step (:class:`gossamer.comm.ComputeModel`'s ``trace``), turned so that the first step
-    after ``warmup`` untimed ones takes the first timed step's time."""
+    after ``warmup`` untimed ones takes the first timed step's time. Each step is in its parts
+    between the communicator's calls where the measurement has them (``local_parts``), so
+    that each part is charged where the real run did that work."""
     trace = {}
     for r, rank in enumerate(ranks):
-        times = list(rank["local_steps"])
+        times = list(rank.get("local_parts") or rank["local_steps"])
         shift = -warmup % len(times)
         trace[r] = times[shift:] + times[:shift]
     return {"step_time": statistics.fmean(r["local_per_step"] for r in ranks), "trace": trace}

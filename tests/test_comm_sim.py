@@ -201,11 +201,73 @@ def test_a_trace_replays_each_ranks_step_times_in_turn_and_from_a_checkpoint():
     assert clock == pytest.approx(0.02 + 0.04)  # its 5th and 6th steps
 
 
+def test_a_traced_steps_parts_are_charged_at_its_communicator_calls():
+    # rank 0's work before the first collective is short and before the second long, rank 1's
+    # the other way round: each collective waits for the slower rank's work before it
+    network = NetworkModel(latency=0.001, bandwidth=1e9)
+    parts = {0: [[0.1, 0.3, 0.05]], 1: [[0.2, 0.1, 0.0]]}
+
+    def step(comm):
+        t = torch.ones(4)
+        comm.compute_step()
+        comm.all_reduce(t)
+        comm.barrier()
+        state = comm.simulation_state()
+        comm.compute_step()  # the next step starts with what the last call left over
+        return comm.clock(), state
+
+    def one_collective(comm):
+        comm.all_reduce(torch.ones(4))
+        return comm.clock()
+
+    all_reduce = SimWorld(2, network=network).run(one_collective)[0]
+
+    def barrier(comm):
+        comm.barrier()
+        return comm.clock()
+
+    barrier_time = SimWorld(2, network=network).run(barrier)[0]
+    world = SimWorld(2, network=network, compute=ComputeModel(trace=parts))
+    (clock0, state0), (clock1, _) = world.run(step)
+    # both at max(0.1, 0.2) + all_reduce, + max(0.3, 0.1) + barrier; then rank 0's 0.05
+    # and the next step's first part
+    end = 0.2 + all_reduce + 0.3 + barrier_time
+    assert clock0 == pytest.approx(end + 0.05 + 0.1)
+    assert clock1 == pytest.approx(end + 0.0 + 0.2)
+    assert state0["compute_parts"] == [pytest.approx(0.05)]
+    assert world.report.compute_time == pytest.approx([0.55, 0.5])
+    # the same totals as whole steps wait less: the two collectives back to back
+    totals = {r: [sum(p[0])] for r, p in parts.items()}
+    whole = SimWorld(2, network=network, compute=ComputeModel(trace=totals)).run(step)
+    assert whole[0][0] == pytest.approx(0.45 + all_reduce + barrier_time + 0.45)
+    # stragglers scale each part; exchanges and their waits take a part each
+    scaled = ComputeModel(trace={0: [[0.1, 0.2, 0.3]]}, stragglers={0: 2.0})
+    assert scaled.step_parts(0, 0) == pytest.approx((0.2, 0.4, 0.6))
+    assert scaled.step_duration(0, None, 0) == pytest.approx(1.2)
+    assert scaled.step_parts(1, 0) is None
+
+    def swap(comm):
+        comm.compute_step()
+        handle = comm.exchange({1 - comm.rank: torch.ones(1)}, [1 - comm.rank])
+        handle.wait()
+        return comm.clock()
+
+    # the exchange is posted after the first part, the wait comes after the second
+    world = SimWorld(2, network=network, compute=ComputeModel(
+        trace={0: [[0.1, 0.2, 0.4]], 1: [[0.1, 0.0, 0.4]]}))
+    clocks = world.run(swap)
+    assert world.report.compute_time == pytest.approx([0.3, 0.1])  # the last part left over
+    assert clocks[0] == pytest.approx(0.3)  # rank 1's message arrived long before
+    assert 0.1 < clocks[1] < 0.11  # rank 0's left at 0.1, before its second part
+
+
 @pytest.mark.parametrize("trace, match", [
     ({0: []}, r"trace\[0\] must be a non-empty sequence"),
     ({0: 0.1}, r"trace\[0\] must be a non-empty sequence"),
     ({0: [0.1, -1.0]}, r"trace\[0\]\[1\] must be >= 0"),
     ({0: [float("nan")]}, r"trace\[0\]\[0\] must be a number"),
+    ({0: [[]]}, r"trace\[0\]\[0\] must be a number of seconds or a non-empty sequence"),
+    ({0: [0.1, [0.2, -0.1]]}, r"trace\[0\]\[1\]\[1\] must be >= 0"),
 ])
 def test_a_bad_trace_is_named(trace, match):
     with pytest.raises(ValueError, match=match):

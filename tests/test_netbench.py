@@ -168,6 +168,12 @@ def test_the_steps_can_sleep_in_place_of_the_forward_and_backward():
         assert 0.4 <= r["compute_per_step"] < 0.6
         assert r["seconds_per_step"] >= 0.4
         assert r["bytes_per_step"] > 0  # the all-reduce still runs
+        # each timed step's local work in three parts: before, between and after the
+        # all-reduces of its two buckets (the last layers' first, at most 1 MiB, as DDP's)
+        assert len(r["local_parts"]) == 2
+        for parts, local in zip(r["local_parts"], r["local_steps"], strict=True):
+            assert len(parts) == 3 and parts[0] >= 0.4 and min(parts) >= 0
+            assert sum(parts) == pytest.approx(local, abs=2e-3)
 
 
 def test_the_prediction_replays_each_ranks_measured_steps_from_the_first_timed_one():
@@ -182,6 +188,11 @@ def test_the_prediction_replays_each_ranks_measured_steps_from_the_first_timed_o
     assert [model.step_duration(0, None, k) for k in range(3, 7)] == [1.0, 2.0, 3.0, 4.0]
     assert [model.step_duration(1, None, k) for k in range(3, 7)] == [5.0, 6.0, 7.0, 8.0]
     assert model.step_time == 4.5
+    # measured in parts between the communicator's calls: the parts are replayed
+    ranks[0]["local_parts"] = [[0.5, 0.5], [1.0, 1.0], [1.0, 2.0], [3.0, 1.0]]
+    model = ComputeModel(**traced_compute(ranks, warmup=1))
+    assert [model.step_parts(0, k) for k in (1, 2)] == [(0.5, 0.5), (1.0, 1.0)]
+    assert model.step_parts(1, 1) is None  # rank 1: whole steps
 
 
 def test_plan_reuse_needs_a_saved_measurement_of_the_same_frames(tmp_path):

@@ -100,27 +100,37 @@ class ComputeModel:
     world's seed and the rank, so it is reproducible. A rank in ``trace`` replays its step
     times instead: its k-th step takes ``trace[rank][k % len(trace[rank])] *
     stragglers.get(rank, 1)``, no jitter (the times measured on a real run, to predict that
-    run's communication with exactly its compute). With ``measured=True`` the real time the
-    worker's code took since its previous step is used instead (not reproducible).
+    run's communication with exactly its compute). A step of a trace may also be a sequence of
+    seconds, the step's local work between its communicator calls (as a real run measures it:
+    before the first call, between each call and the next, after the last): the first part is
+    charged when the step's computation is, the second when the worker enters the step's
+    second communicator call (a collective, an exchange, or the wait for one), and so on, so
+    that a collective late in the step waits for the slowest worker's work before it, as on
+    the real run. What a step's calls leave over (its part after the last call, or more where
+    the simulated step makes fewer calls) is charged at the next step's start.
+    With ``measured=True`` the real time the worker's code took since its previous step is
+    used instead (not reproducible).
 
     Args:
         step_time: seconds per step (default 0.01).
         stragglers: rank -> slowdown factor, e.g. ``{3: 4.0}`` makes rank 3 four times slower.
         jitter: relative spread of step times (default 0, none).
         measured: use measured time instead of ``step_time`` (default False).
-        trace: rank -> the seconds of its successive steps, replayed in turn and from the
+        trace: rank -> the seconds of its successive steps (each a number, or a sequence of
+            the step's parts between its communicator calls), replayed in turn and from the
             first again after the last (default: none).
 
     Example::
 
         ComputeModel(step_time=0.1, trace={0: [0.08, 0.12, 0.3]})  # rank 0: its own times
+        ComputeModel(trace={0: [[0.05, 0.02, 0.01]]})  # 50 ms, a call, 20 ms, a call, 10 ms
     """
 
     step_time: float = 0.01  # higher: communication matters less relative to compute
     stragglers: Mapping[int, float] = field(default_factory=dict)
     jitter: float = 0.0  # higher: more variable step times, more waiting in synchronous methods
     measured: bool = False
-    trace: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    trace: Mapping[int, Sequence[float | Sequence[float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_positive("step_time", self.step_time, allow_zero=True)
@@ -134,13 +144,35 @@ class ComputeModel:
                 raise ValueError(f"trace[{rank}] must be a non-empty sequence of seconds, got "
                                  f"{times!r}")
             for k, t in enumerate(times):
-                check_positive(f"trace[{rank}][{k}]", t, allow_zero=True)
+                if isinstance(t, (str, bytes)) or not isinstance(t, Sequence):
+                    check_positive(f"trace[{rank}][{k}]", t, allow_zero=True)
+                    continue
+                if not t:
+                    raise ValueError(f"trace[{rank}][{k}] must be a number of seconds or a "
+                                     f"non-empty sequence of them, got {t!r}")
+                for j, part in enumerate(t):
+                    check_positive(f"trace[{rank}][{k}][{j}]", part, allow_zero=True)
+
+    def step_parts(self, rank: int, step: int) -> tuple[float, ...] | None:
+        """The seconds of ``rank``'s ``step``-th step between its communicator calls (see the
+        class docs), stragglers applied; None where the step is one number or not traced."""
+        times = self.trace.get(rank)
+        if times is None:
+            return None
+        entry = times[step % len(times)]
+        if not isinstance(entry, Sequence):
+            return None
+        factor = self.stragglers.get(rank, 1.0)
+        return tuple(part * factor for part in entry)
 
     def step_duration(self, rank: int, rng: np.random.Generator, step: int = 0) -> float:
-        """Seconds of ``rank``'s ``step``-th step (counted from 0); ``rng`` draws its jitter."""
+        """Seconds of ``rank``'s ``step``-th step (counted from 0, all its parts); ``rng``
+        draws its jitter."""
         times = self.trace.get(rank)
         if times is not None:
-            return times[step % len(times)] * self.stragglers.get(rank, 1.0)
+            entry = times[step % len(times)]
+            total = sum(entry) if isinstance(entry, Sequence) else entry
+            return total * self.stragglers.get(rank, 1.0)
         duration = self.step_time * self.stragglers.get(rank, 1.0)
         if self.jitter > 0:
             duration *= float(rng.lognormal(mean=0.0, sigma=self.jitter))

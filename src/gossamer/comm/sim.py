@@ -121,6 +121,9 @@ class _Worker:
         self.steps = 0
         self.steps_before = 0  # a resumed run's steps before its checkpoint (a trace's place)
         self.slowdown = 1.0  # compute takes this many times as long (fault injection)
+        # a traced step's parts not charged yet: one at each communicator call (ComputeModel;
+        # a 0 for the step's first call, whose part the step's start charged)
+        self.parts: deque[float] = deque()
         self.active_time = 0.0  # real seconds run since the last compute_step (measured mode)
         self.resumed_at = 0.0
         self.deadline_token = 0
@@ -677,9 +680,11 @@ class _SimHandle:
         return all(s.tensor is not None for s in self._slots) and self._completion() <= w.clock
 
     def wait(self) -> dict[int, torch.Tensor]:
+        view = self._view
+        if view._worker.parts:
+            view._local_work()
         if self._result is not None:
             return self._result
-        view = self._view
         world, w = view._world, view._worker
         wait = _ExchangeWait(self._name, (), w.clock, handle=self)
         if any(s.tensor is None for s in self._slots):
@@ -829,6 +834,8 @@ class SimComm:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        if self._worker.parts:
+            self._local_work()
         self._count("all_reduce")
         size = (tensor.numel(), tensor.element_size())
         plan = self._ring_traffic.get(size)
@@ -849,6 +856,8 @@ class SimComm:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         n, me = self.world_size, self._rank
+        if self._worker.parts:
+            self._local_work()
         self._count("all_gather")
         world = self._world
 
@@ -879,6 +888,8 @@ class SimComm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         n, me = self.world_size, self._rank
         check_rank(src, n, "src")
+        if self._worker.parts:
+            self._local_work()
         self._count("broadcast")
         nbytes = tensor_nbytes(tensor)
         self._record_traffic(
@@ -903,6 +914,8 @@ class SimComm:
         return tensor
 
     def barrier(self) -> None:
+        if self._worker.parts:
+            self._local_work()
         self._count("barrier")
         plan = self._barrier_traffic
         if plan is None:  # the same at every barrier: worked out once
@@ -925,6 +938,8 @@ class SimComm:
         recv_like: torch.Tensor | None = None,
     ) -> _SimHandle:
         like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
+        if self._worker.parts:
+            self._local_work()
         self._exchanges += 1
         name = f"exchange #{self._exchanges}"
         counted = self._counting
@@ -994,6 +1009,14 @@ class SimComm:
             self._world._hang(self._worker, reason)
         raise InjectedFault(reason)
 
+    def _local_work(self) -> None:
+        """Charge the next part of a traced step (:class:`ComputeModel`), on entering a
+        communicator call."""
+        w = self._worker
+        duration = w.parts.popleft() * w.slowdown
+        w.clock += duration
+        w.compute_time += duration
+
     def slow_down(self, factor: float) -> None:
         """From now on this worker's compute takes ``factor`` times as long (virtual time)."""
         self._worker.slowdown = float(factor)
@@ -1004,24 +1027,38 @@ class SimComm:
         place in a ``trace``), so that a resumed run takes the step times that a run never
         interrupted would have taken."""
         return {"compute_rng": self._worker.rng.bit_generator.state,
-                "compute_steps": self._worker.steps + self._worker.steps_before}
+                "compute_steps": self._worker.steps + self._worker.steps_before,
+                "compute_parts": list(self._worker.parts)}
 
     def load_simulation_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`simulation_state`'s ``state``."""
         self._worker.rng.bit_generator.state = dict(state["compute_rng"])
         w = self._worker
         w.steps_before = int(state.get("compute_steps", w.steps + w.steps_before)) - w.steps
+        w.parts = deque(float(t) for t in state.get("compute_parts", w.parts))
 
     def compute_step(self) -> None:
         w = self._worker
         model = self._world.compute
+        left = 0.0
+        if w.parts:  # the previous step's parts after its last call
+            left = sum(w.parts)
+            w.parts.clear()
         if model.measured:
             now = time.perf_counter()
             duration = w.active_time + (now - w.resumed_at)
             w.active_time, w.resumed_at = 0.0, now
         else:
-            duration = model.step_duration(w.rank, w.rng, w.steps_before + w.steps)
-        duration *= w.slowdown
+            step = w.steps_before + w.steps
+            parts = model.step_parts(w.rank, step)
+            if parts is None:
+                duration = model.step_duration(w.rank, w.rng, step)
+            else:  # the first part now, the next at the second call, and so on
+                duration = parts[0]
+                if len(parts) > 1:
+                    w.parts.append(0.0)  # the step's first call: its work is charged here
+                    w.parts.extend(parts[1:])
+        duration = (left + duration) * w.slowdown
         w.clock += duration
         w.compute_time += duration
         w.steps += 1
