@@ -248,9 +248,9 @@ def test_overlapped_all_reduce_starts_during_backward_and_equals_the_plain_one()
 
 @pytest.mark.parametrize("name, overlapped, plain", [
     ("allreduce", 2, 1),  # the first bucket (the last layer's, 1 MiB at most), then the rest
-    # overlapped: the first bucket's biases, its last layer's P and Q, then the first layer's
-    # P and Q; plain: the biases, then P and Q of both layers
-    ("powersgd", 5, 3),
+    # overlapped: the first bucket's P and Q of its last layer (its biases ride with P), then
+    # the first layer's P and Q; plain: P of both layers with the biases, then Q of both
+    ("powersgd", 4, 2),
 ])
 def test_a_small_first_bucket_only_where_the_buckets_overlap_backward(name, overlapped, plain):
     # 784-2048-10: 6.5 MB of gradients, one 25 MiB bucket; to overlap, DDP's first bucket of

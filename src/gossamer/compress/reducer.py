@@ -17,8 +17,10 @@ thing. For each bucket of tensors it makes one collective per round:
   drop stay in the memory (:mod:`gossamer.compress.sparse_allreduce`).
 
 Tensors the compressor does not take (DGC's and PowerSGD's biases...) are all-reduced dense in
-float32 (float64 for a float64 model, see :func:`~gossamer.compress.base.value_dtype`). Every
-byte goes through the communicator, so its ``stats`` count the compressed bytes.
+float32 (float64 for a float64 model, see :func:`~gossamer.compress.base.value_dtype`); with
+``"allreduce"`` they ride in the first bucket's first all-reduce (the same sums, one collective
+and its latency less per step), otherwise in an all-reduce of their own. Every byte goes
+through the communicator, so its ``stats`` count the compressed bytes.
 
 Hierarchy (``node_size > 1``): the gradients are first averaged dense inside each node (groups
 of ``node_size`` consecutive ranks, where bandwidth is plentiful), then every worker exchanges
@@ -133,6 +135,9 @@ class CompressedReducer:
         # flags summed along with the step's first collective of each stage (see reduce)
         self._rider: torch.Tensor | None = None
         self._rider_stages: list[Communicator] = []
+        # "allreduce": the dense tensors riding in the step's first all-reduce, their means
+        self._riding: list[torch.Tensor] = []
+        self._dense_means: list[torch.Tensor] = []
 
     @torch.no_grad()
     def reduce(self, grads: NamedTensors, step: int, flags: torch.Tensor | None = None,
@@ -172,14 +177,12 @@ class CompressedReducer:
         ]
         dense = [item for item in compensated if not self.compressor.compresses(item[2])]
         sparse = [item for item in compensated if self.compressor.compresses(item[2])]
-        if dense:
-            means = self._dense_mean(self.cross, [c for _, _, c in dense])
-            for (key, g, c), mean in zip(dense, means, strict=True):
-                if self.memory is not None:
-                    self.memory.update(key, c, DensePayload(c.reshape(-1), c.shape), self._dense)
-                g.copy_(mean.view_as(g))
-            self.dense_bytes += sum(value_dtype(c.dtype).itemsize * c.numel()
-                                    for _, _, c in dense)
+        # all-reduced payloads: the dense tensors ride in the first one (the same sums);
+        # otherwise they are all-reduced first, on their own
+        riding = bool(sparse) and self.aggregation == "allreduce"
+        if dense and not riding:
+            self._set_dense(dense, self._dense_mean(self.cross, [c for _, _, c in dense]))
+        self._riding = [c for _, _, c in dense] if riding else []
         targets = {key: g for key, g, _ in sparse}
         for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
             if self.aggregation == "allreduce":
@@ -190,9 +193,22 @@ class CompressedReducer:
                 results = self._all_gather(run)
             for (key, _), mean in zip(run, results, strict=True):
                 targets[key].copy_(mean.view_as(targets[key]))
+        if dense and riding:
+            means, self._dense_means = self._dense_means, []
+            self._set_dense(dense, means)
         for comm in self._rider_stages:  # a stage that made no collective (nothing to send)
             comm.all_reduce(self._take_rider(comm))
         self._rider = None
+
+    def _set_dense(self, dense: list[tuple[str, torch.Tensor, torch.Tensor]],
+                   means: list[torch.Tensor]) -> None:
+        """The dense tensors' ``(key, gradient, compensated)``: their means into the gradients,
+        the memory updated."""
+        for (key, g, c), mean in zip(dense, means, strict=True):
+            if self.memory is not None:
+                self.memory.update(key, c, DensePayload(c.reshape(-1), c.shape), self._dense)
+            g.copy_(mean.view_as(g))
+        self.dense_bytes += sum(value_dtype(c.dtype).itemsize * c.numel() for _, _, c in dense)
 
     def _take_rider(self, comm: Communicator) -> torch.Tensor | None:
         """The flags to sum along with this collective on ``comm``: once per stage."""
@@ -215,9 +231,13 @@ class CompressedReducer:
             wires = [p.wire().reshape(-1) for p in payloads]
             self.payload_bytes += sum(w.numel() * w.element_size() for w in wires)
             rider = self._take_rider(self.cross)
-            sums = _sum_flat(self.cross, wires + ([rider] if rider is not None else []))
+            dense = [t.detach().reshape(-1).to(value_dtype(t.dtype)) for t in self._riding]
+            sums = _sum_flat(self.cross, wires + dense + ([rider] if rider is not None else []))
             if rider is not None:
                 rider.copy_(sums.pop())
+            if dense:  # the dense tensors' means, once
+                self._dense_means = [s.div_(n) for s in sums[len(wires):]]
+                self._riding, sums = [], sums[:len(wires)]
             summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
         self._update(run, payloads)
         return [compressor.decompress_average(s, key, n)
