@@ -28,10 +28,10 @@ from gossamer.bench.models import NETBENCH_MLP
 
 # label -> (registry name, options). WAGMA's default group is 4 workers, at 4 workers the whole
 # world (3 model copies sent per step); groups of 2 (sqrt(4)) keep it a group method.
-# AllReduce and its compressed aliases (DGC, PowerSGD) average after backward here
+# AllReduce, its compressed aliases (DGC, PowerSGD) and GossipGraD average after backward here
 # (overlap=False): the simulator does not model the overlap with backward, and the time in the
 # communicator is what these tables split off from the local work. Overlapped, a dense bucket's
-# all-reduce waits inside backward, and a compressed bucket is compressed and exchanged on a
+# all-reduce waits inside backward, and a compressed or gossiped bucket is exchanged on a
 # communication thread while backward runs, so its collectives' time (which then includes
 # waiting for the ranks still in backward) is no longer a part of the step apart from the local
 # work. The overlap is measured against DDP by benchmarks/allreduce_vs_ddp.py.
@@ -46,7 +46,7 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "wagma": ("wagma", {"group_size": 2}),
     "dgc": ("dgc", {"overlap": False}),
     "powersgd": ("powersgd", {"overlap": False}),
-    "gossipgrad": ("gossipgrad", {}),
+    "gossipgrad": ("gossipgrad", {"overlap": False}),
 }
 MLP_WIDTHS = NETBENCH_MLP  # 784-2048-2048-10 on MNIST-shaped input: 23.3 MB of float32
 
