@@ -13,7 +13,8 @@
   1 measured step of AllReduce and SGP) at each worker count and model.
 - ``emulated``: the plan's timing-only prediction of part (b) of the network suite (4 gloo
   workers at 1 Gbit/s, the 5.8M-parameter MLP): each rank's measured local work replayed
-  step by step as its compute (``ComputeModel(trace=...)``), and (a)'s fitted alpha and beta.
+  step by step as its compute, each step in its parts between the communicator's calls
+  (``ComputeModel(trace=...)``), and (a)'s fitted alpha and beta.
   Beside it, the prediction with part (c)'s compute: each rank's mean local work and the
   steps' spread as log-normal jitter.
 - ``emulated8``: part (b) again with 8 workers at 100 Mbit/s, measured here (Linux, root, tc),
@@ -97,9 +98,10 @@ def _netbench_mlp():
 def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
                      ) -> dict[str, Any]:
     """The timing-only prediction of every algorithm of a network-suite part (b) result,
-    with each rank's measured local work per step as its compute, replayed step by step
-    (``predicted``), and, as part (c) declares it, each rank's mean local work with the
-    steps' spread drawn as log-normal jitter (``predicted_jitter``)."""
+    with each rank's measured local work per step as its compute, replayed step by step in
+    its parts between the communicator's calls (``predicted``), and, as part (c) declares it,
+    each rank's mean local work with the steps' spread drawn as log-normal jitter
+    (``predicted_jitter``)."""
     from benchmarks.netbench_tasks import ALGORITHMS
     from benchmarks.network import compute_model, traced_compute
     from gossamer.algorithms import create
