@@ -135,9 +135,6 @@ class CompressedReducer:
         # flags summed along with the step's first collective of each stage (see reduce)
         self._rider: torch.Tensor | None = None
         self._rider_stages: list[Communicator] = []
-        # "allreduce": the dense tensors riding in the step's first all-reduce, their means
-        self._riding: list[torch.Tensor] = []
-        self._dense_means: list[torch.Tensor] = []
 
     @torch.no_grad()
     def reduce(self, grads: NamedTensors, step: int, flags: torch.Tensor | None = None,
@@ -179,22 +176,21 @@ class CompressedReducer:
         sparse = [item for item in compensated if self.compressor.compresses(item[2])]
         # all-reduced payloads: the dense tensors ride in the first one (the same sums);
         # otherwise they are all-reduced first, on their own
-        riding = bool(sparse) and self.aggregation == "allreduce"
+        riding = [c for _, _, c in dense] if sparse and self.aggregation == "allreduce" else []
         if dense and not riding:
             self._set_dense(dense, self._dense_mean(self.cross, [c for _, _, c in dense]))
-        self._riding = [c for _, _, c in dense] if riding else []
+        means: list[torch.Tensor] = []
         targets = {key: g for key, g, _ in sparse}
         for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
             if self.aggregation == "allreduce":
-                results = self._all_reduce(run)
+                results, means = self._all_reduce(run, riding if not means else [], means)
             elif self.aggregation == "sparse_allreduce":
                 results = self._sparse_all_reduce(run)
             else:
                 results = self._all_gather(run)
             for (key, _), mean in zip(run, results, strict=True):
                 targets[key].copy_(mean.view_as(targets[key]))
-        if dense and riding:
-            means, self._dense_means = self._dense_means, []
+        if riding:
             self._set_dense(dense, means)
         for comm in self._rider_stages:  # a stage that made no collective (nothing to send)
             comm.all_reduce(self._take_rider(comm))
@@ -219,7 +215,10 @@ class CompressedReducer:
 
     # -- the two aggregations ------------------------------------------------------------------
 
-    def _all_reduce(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def _all_reduce(self, run: list[tuple[str, torch.Tensor]], riding: Sequence[torch.Tensor],
+                    means: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The run's averages, and the means of the dense tensors ``riding`` in its first round
+        (``means`` as given when none ride)."""
         compressor, n = self.compressor, self.cross.world_size
         # (fp16's: each worker's share of the average, so that the narrow sum is in range)
         payloads: list[Payload] = [compressor.share(c, key, n) for key, c in run]
@@ -231,17 +230,16 @@ class CompressedReducer:
             wires = [p.wire().reshape(-1) for p in payloads]
             self.payload_bytes += sum(w.numel() * w.element_size() for w in wires)
             rider = self._take_rider(self.cross)
-            dense = [t.detach().reshape(-1).to(value_dtype(t.dtype)) for t in self._riding]
+            dense = [_flat(t) for t in riding] if not r else []
             sums = _sum_flat(self.cross, wires + dense + ([rider] if rider is not None else []))
             if rider is not None:
                 rider.copy_(sums.pop())
             if dense:  # the dense tensors' means, once
-                self._dense_means = [s.div_(n) for s in sums[len(wires):]]
-                self._riding, sums = [], sums[:len(wires)]
+                means, sums = [s.div_(n) for s in sums[len(wires):]], sums[:len(wires)]
             summed = [p.with_wire(s) for p, s in zip(payloads, sums, strict=True)]
         self._update(run, payloads)
         return [compressor.decompress_average(s, key, n)
-                for s, (key, _) in zip(summed, run, strict=True)]
+                for s, (key, _) in zip(summed, run, strict=True)], means
 
     def _all_gather(self, run: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         compressor, cross = self.compressor, self.cross
@@ -286,7 +284,7 @@ class CompressedReducer:
         items = [(str(i), t) for i, t in enumerate(tensors)]
         for run in buckets(items, self.bucket_bytes):
             rider = self._take_rider(comm)
-            flats = [t.detach().reshape(-1).to(value_dtype(t.dtype)) for _, t in run]
+            flats = [_flat(t) for _, t in run]
             sums = _sum_flat(comm, flats + ([rider] if rider is not None else []))
             if rider is not None:
                 rider.copy_(sums.pop())
@@ -314,6 +312,11 @@ class CompressedReducer:
         self.dense_bytes = int(state.get("dense_bytes", 0))
         self.kept_entries = int(state.get("kept_entries", 0))
         self._thresholds = {tuple(keys): value for keys, value in state.get("thresholds", [])}
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` flat, in the dtype its sums are taken in (float32, float64 for float64)."""
+    return tensor.detach().reshape(-1).to(value_dtype(tensor.dtype))
 
 
 def _sum_flat(comm: Communicator, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
