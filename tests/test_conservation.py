@@ -93,7 +93,7 @@ from gossamer.comm.sim import SimComm
 
 STEPS, LR, WORKERS = 40, 0.1, 8  # lr x steps = 4.0
 GLOO_WORKERS = 4
-GLOO_DELAY = 0.02  # seconds a gloo straggler sleeps per step
+GLOO_DELAY = 0.01  # seconds a gloo straggler sleeps per step
 EXACT = 1e-9  # relative, float64
 FLOAT16 = 2.0**-11  # relative rounding of a float16 value
 
@@ -253,7 +253,7 @@ def run_worker(comm, case: Case, steps: int, lr: float, kind: str,
     not move."""
     # A stale method's workers all compute for a while, so that on real processes nobody is
     # late unless made so: each step's messages arrive during the others' computation (at
-    # equal speeds 20 ms each; with a late rank, 5 ms against its 20 ms)
+    # equal speeds 10 ms each; with a late rank, 2.5 ms against its 10 ms)
     if case.kind != STALE or comm.world_size == 1:
         delay = GLOO_DELAY if comm.rank == late_rank else 0.0
     elif late_rank is None:
@@ -420,7 +420,7 @@ def test_conservation_property(case):
 @pytest.mark.gloo
 def test_conservation_on_gloo():
     """4 gloo processes run every case at equal speeds, then every averaging method again
-    with rank 3 sleeping 20 ms per step (several times slower than the others' steps). The
+    with rank 3 sleeping 10 ms per step (several times slower than the others' steps). The
     compressed methods run once: every step of theirs is a blocking collective, so timing
     cannot change what they compute."""
     from gossamer.testing import collect, run_in_turn, spawn_gloo

@@ -381,10 +381,14 @@ def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simul
     simulated = _sim(algorithm, (crash,), steps=steps)["membership"]
     assert [h["members"] for h in result["membership"]] == [h["members"] for h in simulated]
     # WAGMA's survivors notice the failure in the step where a round waits for the dead
-    # worker's model: with tau = 1 a survivor may be a round ahead, by timing. Streaming
-    # DiLoCo's fragment exchange is waited on tau = 1 step after it starts: the dead worker's
-    # closed connection shows at the start or at the wait, one step apart, by timing
-    slack = 1 if algorithm in ("wagma", "streaming-diloco") else 0
+    # worker's model, and with tau = 1 they need not be in step 20 then, by timing: rank 2
+    # ended round 19 with its partners' models of round 18 or later, published at the start
+    # of their step 18, so every survivor may still be in step 18 (the simulator, with equal
+    # speeds: 20); and rank 2 published its model of round 20 before it crashed, so a
+    # survivor may average round 21 with it and wait only in step 22: tau + 1 steps either
+    # way. Streaming DiLoCo's fragment exchange is waited on tau = 1 step after it starts: the
+    # dead worker's closed connection shows at the start or at the wait, one step apart
+    slack = {"wagma": 2, "streaming-diloco": 1}.get(algorithm, 0)
     assert abs(result["membership"][1]["step"] - simulated[1]["step"]) <= slack
 
 

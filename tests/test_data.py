@@ -53,6 +53,29 @@ def write_idx(path: Path, array: np.ndarray) -> Path:
     return path
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    # the bundled CSV read directly (a worker would pay a second to import scikit-learn):
+    # the same pixels and labels as scikit-learn's own loader, and scikit-learn not imported
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from gossamer.train.data import _digits_arrays, load_digits
+
+    pixels, labels = _digits_arrays()
+    bunch = sklearn_digits()
+    assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+    digits = load_digits()
+    assert digits.x_train.shape == (1438, 64) and digits.x_test.shape == (359, 64)
+    assert float(digits.x_train.max()) == 1.0 and digits.y_train.dtype == torch.int64
+    code = ("import sys; from gossamer.train.data import load_digits; load_digits(); "
+            "print('sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
 @pytest.mark.parametrize("name", ["images-idx3-ubyte", "images-idx3-ubyte.gz"])
 def test_idx_round_trip(tmp_path, name):
     images = np.random.default_rng(0).integers(0, 256, (5, 4, 3), dtype=np.uint8)

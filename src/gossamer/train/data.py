@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -55,15 +56,31 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
     """scikit-learn's digits, pixels scaled to [0, 1], split train/test by a seeded shuffle."""
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    bunch = sklearn_digits()
-    x = torch.tensor(bunch.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(bunch.target, dtype=torch.int64)
+    pixels, labels = _digits_arrays()
+    x = torch.tensor(pixels / 16.0, dtype=torch.float32)
+    y = torch.tensor(labels, dtype=torch.int64)
     order = torch.tensor(np.random.default_rng(seed).permutation(len(y)))
     n_test = int(round(len(y) * test_fraction))
     test, train = order[:n_test], order[n_test:]
     return Dataset("digits", x[train], y[train], x[test], y[test], num_classes=10)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels (0-16) and labels, read from the CSV file scikit-learn bundles, as
+    ``sklearn.datasets.load_digits`` reads it: importing scikit-learn takes about a second,
+    which every worker of a run would pay. scikit-learn's own loader where the file is not
+    where it keeps it."""
+    spec = importlib.util.find_spec("sklearn")
+    roots = spec.submodule_search_locations if spec is not None else None
+    path = Path(roots[0]) / "datasets" / "data" / "digits.csv.gz" if roots else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits as sklearn_digits
+
+        bunch = sklearn_digits()
+        return bunch.data, bunch.target
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ damaged checkpoint).
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -40,21 +41,28 @@ import shutil
 import warnings
 from collections.abc import Hashable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gossamer.comm.base import Communicator
 from gossamer.train import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["load_averaged_model", "load_dcp", "resume_dcp_checkpoint", "save_dcp",
            "save_dcp_checkpoint"]
 
 FORMAT = "dcp"  # meta.json's "format" of a DCP checkpoint in a run directory
+
+
+def _dcp() -> Any:
+    """``torch.distributed.checkpoint``, imported when a DCP checkpoint is saved or loaded:
+    importing it takes half a second, which every worker of a run without one would pay."""
+    return importlib.import_module("torch.distributed.checkpoint")
 
 
 def _process_group(comm: Communicator) -> dist.ProcessGroup:
@@ -149,7 +157,7 @@ def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     }
     steps = comm.all_gather(torch.tensor([step], dtype=torch.int64))
     ckpt._check_same_step("save", [int(t[0]) for t in steps])
-    dcp.save(state, checkpoint_id=tmp, process_group=group)  # returns once .metadata is written
+    _dcp().save(state, checkpoint_id=tmp, process_group=group)  # returns once .metadata is written
     if comm.rank == 0:
         if path.exists():
             ckpt._remove(path)
@@ -163,8 +171,9 @@ def _metadata(path: Path) -> dict[str, TensorStorageMetadata]:
     if not (path / ".metadata").is_file():
         raise ckpt.DamagedCheckpoint(f"checkpoint {path} is not a DCP checkpoint: it has no "
                                      ".metadata")
-    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    return {k: m for k, m in entries.items() if isinstance(m, TensorStorageMetadata)}
+    entries = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
+    tensor_type = _dcp().metadata.TensorStorageMetadata
+    return {k: m for k, m in entries.items() if isinstance(m, tensor_type)}
 
 
 def _empty(meta: TensorStorageMetadata) -> torch.Tensor:
@@ -187,7 +196,7 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
                          f"{comm.world_size}")
     prefix = f"workers.{comm.rank}."
     state = {k: _empty(m) for k, m in tensors.items() if k.startswith(prefix) or k == "step"}
-    dcp.load(state, checkpoint_id=path, process_group=group)
+    _dcp().load(state, checkpoint_id=path, process_group=group)
     encoded = state.pop(prefix + "structure")
     saved_state = ckpt.safe_loads(encoded.numpy().tobytes(),
                                   f"checkpoint {path}: rank {comm.rank}'s state")
@@ -204,7 +213,7 @@ def load_averaged_model(path: str | Path, model: nn.Module) -> int:
     state = {"model": model.state_dict(), "step": torch.tensor(0, dtype=torch.int64)}
     with warnings.catch_warnings():  # DCP's note that it loads in one process: we asked it to
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+        _dcp().load(state, checkpoint_id=Path(path), no_dist=True)
     model.load_state_dict(state["model"])
     return int(state["step"])
 
