@@ -48,6 +48,21 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "powersgd": ("powersgd", {"overlap": False}),
     "gossipgrad": ("gossipgrad", {"overlap": False}),
 }
+# Measured only when asked for by label (``gossamer bench plan --methods``): variants of the
+# methods above that explain their figures, e.g. WAGMA's synchronous group averaging.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "wagma tau=0": ("wagma", {"group_size": 2, "tau": 0}),
+}
+
+
+def method_spec(label: str) -> tuple[str, dict[str, Any]]:
+    """(registry name, options) of ``label``, a key of :data:`ALGORITHMS` or
+    :data:`VARIANTS`; a ValueError naming the known labels otherwise."""
+    found = ALGORITHMS.get(label) or VARIANTS.get(label)
+    if found is None:
+        known = ", ".join(repr(k) for k in [*ALGORITHMS, *VARIANTS])
+        raise ValueError(f"method {label!r} is not one of the network suite's: {known}")
+    return found
 MLP_WIDTHS = NETBENCH_MLP  # 784-2048-2048-10 on MNIST-shaped input: 23.3 MB of float32
 
 
@@ -238,7 +253,7 @@ def training_steps(
             or not compute_sleep >= 0:
         raise ValueError(f"compute_sleep must be a number of seconds >= 0, got "
                          f"{compute_sleep!r}")
-    name, options = ALGORITHMS[algorithm]
+    name, options = method_spec(algorithm)
     model = mlp(*MLP_WIDTHS)
     inner = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     optimizer_time = [0.0, 0.0]  # running total, start of the current step
@@ -319,6 +334,10 @@ def training_steps(
         "comm_per_step": in_comm / steps,
         "local_per_step": (elapsed - in_comm) / steps,
         "local_steps": locals_,
+        # per timed step: its time on this rank's clock
+        "step_seconds": list(times.seconds),
+        # the runtime's own counts since its start, warm-up included (see _counters)
+        "counters": _counters(opt.runtime),
         # per timed step: the local work between its communicator calls (ComputeModel's trace)
         "local_parts": parts[warmup:],
         "bytes_per_step": sent / steps,
@@ -329,6 +348,19 @@ def training_steps(
         "machine_busy": busy,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _counters(runtime: Any) -> dict[str, Any]:
+    """The counts a runtime keeps of what it did, those it has: averagings, waits, skipped
+    rounds, and how many contributions it averaged of each age in rounds (WAGMA)."""
+    out: dict[str, Any] = {}
+    for name in ("synchronizations", "group_averages", "waits", "rounds_skipped"):
+        if isinstance(getattr(runtime, name, None), int):
+            out[name] = getattr(runtime, name)
+    ages = getattr(runtime, "ages", None)
+    if isinstance(ages, dict):
+        out["ages"] = {str(age): count for age, count in sorted(ages.items())}
+    return out
 
 
 def training_steps_all(comm, algorithms: list[str], **kwargs: Any) -> dict[str, Any]:

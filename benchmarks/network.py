@@ -87,6 +87,8 @@ class Settings:
     # gradients instead): an accelerator's compute, which leaves the host's cores to the
     # communication; 0: the MLP's real forward and backward on the host's cores
     compute_sleep: float = 0.0
+    # (b): the methods to measure, labels of benchmarks.netbench_tasks (empty: all of ALGORITHMS)
+    algorithms: tuple[str, ...] = ()
     # (c): the simulator's network and compute: "fitted" (a's fit at the training setting) or
     # "nominal" (the link's rate, 50 us), with the measured spread of the local work unless
     # ", no jitter"; ", compute only": forward, backward and optimizer time instead of the
@@ -224,8 +226,8 @@ def _algorithms() -> list[str]:
 
 def _steps_task(settings: Settings, straggler: dict[str, float] | None = None):
     return {"kind": "training_steps", "args": {
-        "algorithms": _algorithms(), "warmup": settings.warmup, "steps": settings.steps,
-        "batch": settings.batch, "straggler": straggler,
+        "algorithms": list(settings.algorithms) or _algorithms(), "warmup": settings.warmup,
+        "steps": settings.steps, "batch": settings.batch, "straggler": straggler,
         "compute_sleep": settings.compute_sleep}}
 
 
@@ -255,9 +257,10 @@ def part_b(settings: Settings) -> dict[str, Any]:
             if settings.compute_sleep else ""))
     results, traffic = _run(_links(settings, n, gbits), _steps_task(settings), timeout=1800)
     summary = summarize_steps(results, traffic)
-    base = summary["algorithms"]["allreduce"]["seconds_per_step"]
-    for row in summary["algorithms"].values():
-        row["speedup"] = base / row["seconds_per_step"]
+    if "allreduce" in summary["algorithms"]:  # (not among the methods asked for: no speed-up)
+        base = summary["algorithms"]["allreduce"]["seconds_per_step"]
+        for row in summary["algorithms"].values():
+            row["speedup"] = base / row["seconds_per_step"]
     return summary
 
 

@@ -8,6 +8,7 @@
     gossamer bench plan --parts published
     gossamer bench plan --parts emulated emulated8 --mtu 65535 --compute-sleep 50
     gossamer bench plan --parts emulated8 --mtu 65535 --reuse   # predict the saved measurement
+    gossamer bench plan --parts emulated8 --mtu 65535 --methods wagma "wagma tau=0" sgp
 
 - ``scale``: real time, CPU time and peak memory of one timing-only prediction (1 warm-up and
   1 measured step of AllReduce and SGP) at each worker count and model.
@@ -24,6 +25,11 @@
   forward and backward passes (fixed gradients): an accelerator's compute, which leaves the
   host's cores to the messages and the methods' own work; the 4-worker part is then measured
   here too.
+- ``--methods LABEL ...`` measures and predicts only those methods of the network suite's
+  tables, or variants of them that it measures only when asked (``wagma tau=0``: WAGMA's
+  synchronous group averaging), saved under a name of their own (e.g.
+  ``plan_emulated8_wagma_wagma-tau-0_sgp.json``). Each rank's record has each timed step's
+  time and the runtime's counts (waits, stale contributions).
 - ``published``: the settings of the SGP paper (32 nodes on 10 Gbit/s Ethernet, ResNet-50,
   against AllReduce) and of the DGC paper (1 Gbit/s Ethernet, ResNet-50), predicted.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import resource
 import time
 from typing import Any
@@ -49,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models of the scale part")
     parser.add_argument("--algorithms", nargs="+", default=["allreduce", "sgp"],
                         help="methods of the scale part")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="LABEL",
+                        help="the emulated parts: the network suite's methods to measure and "
+                        "predict, by the labels of its tables, variants too (e.g. wagma "
+                        "'wagma tau=0'); default: every method of its tables. The results "
+                        "are saved under a name of their own")
     parser.add_argument("--compute-sleep", type=float, default=0.0, metavar="MS",
                         help="the emulated parts: each worker sleeps MS milliseconds in place "
                         "of its forward and backward passes, as an accelerator's compute "
@@ -102,7 +114,7 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
     its parts between the communicator's calls (``predicted``), and, as part (c) declares it,
     each rank's mean local work with the steps' spread drawn as log-normal jitter
     (``predicted_jitter``)."""
-    from benchmarks.netbench_tasks import ALGORITHMS
+    from benchmarks.netbench_tasks import method_spec
     from benchmarks.network import compute_model, traced_compute
     from gossamer.algorithms import create
     from gossamer.comm import ComputeModel
@@ -110,7 +122,7 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
 
     out = {}
     for label, row in measured["algorithms"].items():
-        name, options = ALGORITHMS[label]
+        name, options = method_spec(label)
         found = {}
         for key, compute in (("predicted", traced_compute(row["ranks"], warmup)),
                              ("predicted_jitter", compute_model(row["ranks"]))):
@@ -128,7 +140,7 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
               f"{p.step_time * 1e3:7.1f} ms: {out[label]['ratio']:.2f} (with jitter "
               f"{found['predicted_jitter'].step_time * 1e3:.1f} ms)", flush=True)
     for key in ("measured", "predicted"):
-        base = out["allreduce"][key]
+        base = out["allreduce"][key] if "allreduce" in out else math.nan  # (--methods)
         for row in out.values():
             row[f"{key}_speedup"] = base / row[key]
     print_table(out)
@@ -142,7 +154,8 @@ def print_table(rows: dict[str, dict[str, Any]], target: float = 0.15) -> None:
 
     cells = [[label, f"{r['measured'] * 1e3:.1f}", f"{r['predicted'] * 1e3:.1f}",
               f"{r['ratio']:.2f}", "yes" if abs(r["ratio"] - 1) <= target else "no",
-              f"{r['measured_speedup']:.2f}x", f"{r['predicted_speedup']:.2f}x",
+              *(f"{r[k]:.2f}x" if r[k] == r[k] else "-"  # nan: no AllReduce measured
+                for k in ("measured_speedup", "predicted_speedup")),
               f"{r['measured_bytes'] / 1e6:.2f}", f"{r['predicted_bytes'] / 1e6:.2f}",
               f"{r['predicted_jitter'] / r['measured']:.2f}" if "predicted_jitter" in r
               else "-"]
@@ -158,7 +171,7 @@ def print_table(rows: dict[str, dict[str, Any]], target: float = 0.15) -> None:
 
 
 def part_emulated(results: Results, mtu: int, compute_sleep: float = 0.0,
-                  reuse: bool = False) -> dict[str, Any]:
+                  reuse: bool = False, methods: list[str] | None = None) -> dict[str, Any]:
     import json
 
     from benchmarks.network import load_part
@@ -166,50 +179,71 @@ def part_emulated(results: Results, mtu: int, compute_sleep: float = 0.0,
 
     if compute_sleep:
         return _measured_here(results, mtu, compute_sleep, workers=4, gbits=1.0,
-                              reuse=reuse)
+                              reuse=reuse, methods=methods)
     b = json.loads((results.folder / "network_b.json").read_text())
     settings = b["settings"]
     if settings["mtu"] != mtu:
         raise ValueError(f"the network suite's part b ran with {settings['mtu']}-byte frames, "
                          f"not --mtu {mtu}: run `gossamer bench network --quick --parts a b "
                          f"--mtu {mtu}` first")
+    measured = b["result"]
+    if methods:
+        missing = [m for m in methods if m not in measured["algorithms"]]
+        if missing:
+            raise SystemExit(f"--methods: the network suite's part b measured no "
+                             f"{', '.join(map(repr, missing))}; measure them here with "
+                             f"--compute-sleep, or take them from part b's methods")
+        measured = {**measured, "algorithms": {m: measured["algorithms"][m] for m in methods}}
     a = load_part(results.folder, "a", b["mode"], mtu=mtu)
     network = fitted_network(a, settings["train_workers"], settings["train_gbits"])
     return {"network": {"latency": network.latency, "bandwidth": network.bandwidth},
-            "mtu": mtu, "algorithms": predict_measured(b["result"], network, settings["warmup"],
+            "mtu": mtu, "algorithms": predict_measured(measured, network, settings["warmup"],
                                            settings["steps"])}
 
 
 def part_emulated8(results: Results, mtu: int, compute_sleep: float = 0.0,
-                   reuse: bool = False) -> dict[str, Any]:
-    return _measured_here(results, mtu, compute_sleep, workers=8, gbits=0.1, reuse=reuse)
+                   reuse: bool = False, methods: list[str] | None = None) -> dict[str, Any]:
+    return _measured_here(results, mtu, compute_sleep, workers=8, gbits=0.1, reuse=reuse,
+                          methods=methods)
 
 
-def result_name(part: str, compute_sleep: float) -> str:
-    """The name of a part's results (``benchmarks/results/NAME.json``)."""
-    tag = f"_sleep{compute_sleep * 1e3:g}ms" if compute_sleep and part.startswith("emulated") \
-        else ""
+def result_name(part: str, compute_sleep: float, methods: list[str] | None = None) -> str:
+    """The name of a part's results (``benchmarks/results/NAME.json``); ``methods``, the
+    labels asked for, tag the name of an emulated part's."""
+    emulated = part.startswith("emulated")
+    tag = f"_sleep{compute_sleep * 1e3:g}ms" if compute_sleep and emulated else ""
+    if methods and emulated:
+        tag += "_" + "_".join("".join(c if c.isalnum() else "-" for c in m) for m in methods)
     return f"plan_{part}{tag}"
 
 
 def _measured_here(results: Results, mtu: int, compute_sleep: float, *, workers: int,
-                   gbits: float, reuse: bool = False) -> dict[str, Any]:
+                   gbits: float, reuse: bool = False, methods: list[str] | None = None
+                   ) -> dict[str, Any]:
     """Part (b) of the network suite measured here with ``workers`` at ``gbits`` Gbit/s and
     frames of ``mtu`` bytes (the forward and backward a sleep of ``compute_sleep`` seconds
     unless 0), and its prediction: the links' rate and (a)'s fitted latency at 4 workers and
-    1 Gbit/s ((a) fits no 8-worker all-reduce). With ``reuse``, the measurement that an
-    earlier run of the same settings saved instead of a new one."""
+    1 Gbit/s ((a) fits no 8-worker all-reduce). ``methods``: the labels to measure (default
+    every method of the suite). With ``reuse``, the measurement that an earlier run of the
+    same settings saved instead of a new one."""
     import json
 
+    from benchmarks.netbench_tasks import method_spec
     from benchmarks.network import QUICK, load_part, part_b, with_mtu
     from benchmarks.network_model import fitted_network
     from gossamer.comm import NetworkModel
 
+    for label in methods or ():
+        try:
+            method_spec(label)
+        except ValueError as exc:
+            raise SystemExit(f"--methods: {exc}") from None
     settings = dataclasses.replace(with_mtu(QUICK, mtu), train_workers=workers,
-                                   train_gbits=gbits, compute_sleep=compute_sleep)
+                                   train_gbits=gbits, compute_sleep=compute_sleep,
+                                   algorithms=tuple(methods or ()))
     a = load_part(results.folder, "a", settings.mode, mtu=mtu)  # before minutes of part b
     part = "emulated8" if workers == 8 else "emulated"
-    saved = results.folder / f"{result_name(part, compute_sleep)}.json"
+    saved = results.folder / f"{result_name(part, compute_sleep, methods)}.json"
     if reuse:
         earlier = json.loads(saved.read_text())["result"] if saved.is_file() else {}
         if earlier.get("mtu") != mtu or "measured" not in earlier:
@@ -261,10 +295,10 @@ def run(args: argparse.Namespace, results: Results) -> int:
         if part == "scale":
             data: Any = part_scale(args)
         elif part == "emulated":
-            data = part_emulated(results, args.mtu, sleep, args.reuse)
+            data = part_emulated(results, args.mtu, sleep, args.reuse, args.methods)
         elif part == "emulated8":
-            data = part_emulated8(results, args.mtu, sleep, args.reuse)
+            data = part_emulated8(results, args.mtu, sleep, args.reuse, args.methods)
         else:
             data = part_published()
-        results.write(result_name(part, sleep), {"part": part, "result": data})
+        results.write(result_name(part, sleep, args.methods), {"part": part, "result": data})
     return 0

@@ -216,6 +216,47 @@ def test_plan_reuse_needs_a_saved_measurement_of_the_same_frames(tmp_path):
         bench_cli.run(build_parser().parse_args(argv))
 
 
+def test_a_variant_is_measured_by_its_label_with_each_steps_time_and_the_runtimes_counts():
+    _benchmarks_importable()
+    from benchmarks.netbench_tasks import method_spec, training_steps
+    from gossamer.comm import SimWorld
+
+    assert method_spec("wagma tau=0") == ("wagma", {"group_size": 2, "tau": 0})
+    with pytest.raises(ValueError, match="'wagma tau=9' is not one of the network suite's: "
+                                         "'allreduce', .*'wagma tau=0'"):
+        method_spec("wagma tau=9")
+    rows = SimWorld(4).run(training_steps, "wagma tau=0", warmup=1, steps=3, batch=2,
+                           simulated=True)
+    for r in rows:
+        assert len(r["step_seconds"]) == 3
+        assert sum(r["step_seconds"]) == pytest.approx(3 * r["seconds_per_step"])
+        # synchronous groups of 2 (tau 0): a group average in each of the 4 steps (the
+        # global average comes every 10 rounds), nobody stale
+        counters = r["counters"]
+        assert counters["group_averages"] == 4
+        assert counters["rounds_skipped"] == 0 and set(counters["ages"]) == {"0"}
+
+
+def test_plan_methods_measures_the_labels_asked_for_under_a_name_of_their_own(tmp_path):
+    import json
+
+    from benchmarks.plan import result_name
+    from gossamer.bench import cli as bench_cli
+    from gossamer.cli import build_parser
+
+    assert result_name("emulated8", 0.05, ["wagma", "wagma tau=0"]) == \
+        "plan_emulated8_sleep50ms_wagma_wagma-tau-0"
+    assert result_name("published", 0.0, ["wagma"]) == "plan_published"
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "network_a.json").write_text(json.dumps(
+        {"mode": "quick", "settings": {"mtu": 9000}, "result": {"rows": []}}))
+    argv = ["bench", "--results", str(results), "--figures", str(tmp_path), "plan",
+            "--parts", "emulated8", "--methods", "wagma", "wagma tau=9"]
+    with pytest.raises(SystemExit, match="--methods: method 'wagma tau=9' is not one"):
+        bench_cli.run(build_parser().parse_args(argv))
+
+
 def test_the_comm_timer_counts_a_subgroups_collective_as_one_call():
     # the simulator's subgroups make one call of a collective; a real run's P2PGroup carries
     # it in exchanges: timed as one call, the parts of a measured step match the simulator's
