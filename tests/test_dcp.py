@@ -146,6 +146,18 @@ def test_dcp_load_by_another_number_of_workers_is_refused_naming_both(tmp_path):
     assert all("written by 2 workers; this run has 3" in e for e in errors)
 
 
+def test_a_run_without_dcp_checkpoints_does_not_import_torch_distributed_checkpoint():
+    # it costs every worker half a second to import: only a DCP checkpoint's save or load does
+    import subprocess
+    import sys
+
+    code = ("import sys, gossamer.train.loop, gossamer.train.run, gossamer.cli; "
+            "print('torch.distributed.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_split_and_join_round_trip_nested_state():
     state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"b": torch.zeros(3)}},
                                                           "param_groups": [{"params": [0]}]},
