@@ -10,26 +10,26 @@ global barrier).
 
 Wait-avoiding (``tau >= 1``): the group average is a collective no member waits for. A worker
 publishes its model for round ``t`` to the members of round ``t``'s group as soon as it has it
-(right after its previous optimizer step), computes its gradient meanwhile, and then averages
-with the newest model each member has published: the members that have arrived contribute
-their model of this round, so with equal speeds every member averages the same models and
-adopts the same result, and the sum of the models moves by exactly the sum of the updates. Only
-a member still computing an earlier round contributes an older model, never older than ``tau``
-rounds: a worker waits only for a member more than ``tau`` rounds behind. In a round with a late
-member the members' results differ (the late member averages, later, with its partners' newer
-models), which is the staleness the paper bounds (the paper by its global synchronisation
-alone; ``tau``, the waiting it causes and the skip to the front below are gossamer's, see
-docs/algorithms.md): the sum of the models is then not conserved
-(a member that averages later mixes in models that already hold its own). With one late worker
-the replicas' mean drifted by at most ``2 * (tau + 1) * lr * |update| * (g - 1) / (g * n)`` per
-round in every configuration measured (n 4-16, g 2-4, tau 1-3, a 2x-4x straggler;
-tests/test_conservation.py holds it to that envelope). A worker that finds, from the round
-numbers on the messages it received, that others are more than ``tau`` rounds ahead (so that
-they would wait for it), skips the rounds it missed and continues at the front
-(the others already averaged with its older model for those rounds); before it averages it
-publishes its current model to the members of the groups of the rounds it skipped, so nobody
-can wait for it forever. With ``tau = 0`` every group exchanges the models of the same round:
-synchronous group averaging.
+(right after its previous optimizer step; it waits for these sends to leave, so on a real link
+the transfer does not overlap the gradient's computation as in the paper), computes its
+gradient, and then averages with the newest model each member has published: the members that
+have arrived contribute their model of this round, so with equal speeds every member averages
+the same models and adopts the same result, and the sum of the models moves by exactly the sum
+of the updates. Only a member still computing an earlier round contributes an older model, never
+older than ``tau`` rounds: a worker waits only for a member more than ``tau`` rounds behind. In
+a round with a late member the members' results differ (the late member averages, later, with
+its partners' newer models), which is the staleness the paper bounds (the paper by its global
+synchronisation alone; ``tau``, the waiting it causes and the skip to the front below are
+gossamer's, see docs/algorithms.md): the sum of the models is then not conserved (a member that
+averages later mixes in models that already hold its own). With one late worker the replicas'
+mean drifted by at most ``2 * (tau + 1) * lr * |update| * (g - 1) / (g * n)`` per round in every
+configuration measured (n 4-16, g 2-4, tau 1-3, a 2x-4x straggler; tests/test_conservation.py
+holds it to that envelope). A worker that finds, from the round numbers on the messages it
+received, that others are more than ``tau`` rounds ahead (so that they would wait for it), skips
+the rounds it missed and continues at the front (the others already averaged with its older
+model for those rounds); before it averages it publishes its current model to the members of the
+groups of the rounds it skipped, so nobody can wait for it forever. With ``tau = 0`` every group
+exchanges the models of the same round: synchronous group averaging.
 
 So a straggler that is k times slower than the rest is hidden when ``tau >= k - 1``: the fast
 workers run up to ``tau`` rounds ahead of its last published model before they wait, and it
