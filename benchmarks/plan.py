@@ -191,8 +191,8 @@ def part_emulated(results: Results, mtu: int, compute_sleep: float = 0.0,
         missing = [m for m in methods if m not in measured["algorithms"]]
         if missing:
             raise SystemExit(f"--methods: the network suite's part b measured no "
-                             f"{', '.join(map(repr, missing))}; measure them here with "
-                             f"--compute-sleep, or take them from part b's methods")
+                             f"{', '.join(map(repr, missing))}: without --compute-sleep the "
+                             f"4-worker part predicts part b's methods only")
         measured = {**measured, "algorithms": {m: measured["algorithms"][m] for m in methods}}
     a = load_part(results.folder, "a", b["mode"], mtu=mtu)
     network = fitted_network(a, settings["train_workers"], settings["train_gbits"])
