@@ -63,6 +63,8 @@ def method_spec(label: str) -> tuple[str, dict[str, Any]]:
         known = ", ".join(repr(k) for k in [*ALGORITHMS, *VARIANTS])
         raise ValueError(f"method {label!r} is not one of the network suite's: {known}")
     return found
+
+
 MLP_WIDTHS = NETBENCH_MLP  # 784-2048-2048-10 on MNIST-shaped input: 23.3 MB of float32
 
 
@@ -425,7 +427,7 @@ def time_to_accuracy(
     from gossamer.train.metrics import loss_fn
     from gossamer.train.models import SmallCNN
 
-    name, options = ALGORITHMS[algorithm]
+    name, options = method_spec(algorithm)
     if name == "qsr":  # QSR holds H_base during the learning-rate warm-up
         options = {**options, "warmup_steps": warmup_steps}
     dataset = load_mnist(data_path)

@@ -179,11 +179,13 @@ class CompressedReducer:
         riding = [c for _, _, c in dense] if sparse and self.aggregation == "allreduce" else []
         if dense and not riding:
             self._set_dense(dense, self._dense_mean(self.cross, [c for _, _, c in dense]))
-        means: list[torch.Tensor] = []
+        means: list[torch.Tensor] = []  # of the riding dense tensors
         targets = {key: g for key, g, _ in sparse}
-        for run in buckets([(key, c) for key, _, c in sparse], self.bucket_bytes):
+        for index, run in enumerate(buckets([(key, c) for key, _, c in sparse],
+                                            self.bucket_bytes)):
             if self.aggregation == "allreduce":
-                results, means = self._all_reduce(run, riding if not means else [], means)
+                results, ridden = self._all_reduce(run, riding if index == 0 else [])
+                means = means or ridden
             elif self.aggregation == "sparse_allreduce":
                 results = self._sparse_all_reduce(run)
             else:
@@ -215,14 +217,15 @@ class CompressedReducer:
 
     # -- the two aggregations ------------------------------------------------------------------
 
-    def _all_reduce(self, run: list[tuple[str, torch.Tensor]], riding: Sequence[torch.Tensor],
-                    means: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _all_reduce(self, run: list[tuple[str, torch.Tensor]], riding: Sequence[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The run's averages, and the means of the dense tensors ``riding`` in its first round
-        (``means`` as given when none ride)."""
+        (none when none ride)."""
         compressor, n = self.compressor, self.cross.world_size
         # (fp16's: each worker's share of the average, so that the narrow sum is in range)
         payloads: list[Payload] = [compressor.share(c, key, n) for key, c in run]
         summed: list[Payload] = []
+        means: list[torch.Tensor] = []
         for r in range(compressor.rounds):
             if r:
                 payloads = [compressor.next_round(s, key)

@@ -171,9 +171,10 @@ def _metadata(path: Path) -> dict[str, TensorStorageMetadata]:
     if not (path / ".metadata").is_file():
         raise ckpt.DamagedCheckpoint(f"checkpoint {path} is not a DCP checkpoint: it has no "
                                      ".metadata")
-    entries = _dcp().FileSystemReader(path).read_metadata().state_dict_metadata
-    tensor_type = _dcp().metadata.TensorStorageMetadata
-    return {k: m for k, m in entries.items() if isinstance(m, tensor_type)}
+    dcp = _dcp()
+    entries = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k: m for k, m in entries.items()
+            if isinstance(m, dcp.metadata.TensorStorageMetadata)}
 
 
 def _empty(meta: TensorStorageMetadata) -> torch.Tensor:
