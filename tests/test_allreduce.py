@@ -182,7 +182,7 @@ def overlap_worker(overlap: bool, accumulation: str) -> dict:
                                         AllReduce(bucket_mb=0.004, overlap=overlap), comm)
         events: list[str] = []
         start = comm.all_reduce_async
-        comm.all_reduce_async = lambda t: (events.append("all_reduce"), start(t))[1]
+        comm.all_reduce_async = lambda t, op="sum": (events.append("all_reduce"), start(t, op))[1]
         model[0].weight.register_hook(lambda g: events.append("first layer"))
         xs, ys = _batches(comm.rank)
         before = comm.stats.total_bytes_sent  # distribute()'s broadcast of the parameters
@@ -273,3 +273,29 @@ def test_a_small_first_bucket_only_where_the_buckets_overlap_backward(name, over
     assert (calls, calls_plain) == (overlapped, plain)
     for a, b in zip(params, params_plain, strict=True):  # the same average either way
         torch.testing.assert_close(a, b, rtol=0, atol=0 if name == "allreduce" else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_averaged_flags_name_every_rank_with_a_non_finite_gradient(dtype):
+    """The buckets are averaged (op="mean"), the non-finite flags with them: at 47 workers
+    (three flag words) every worker names exactly the ranks whose gradient was NaN, those at
+    the words' edges included."""
+    from gossamer.algorithms.nonfinite import NonFiniteError
+
+    bad = [0, 21, 22, 43, 44, 46]
+
+    def run(comm):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2).to(dtype)
+        optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        AllReduce(), comm)
+        model(torch.ones(1, 3, dtype=dtype)).sum().backward()
+        if comm.rank in bad:
+            model.weight.grad[0, 0] = float("nan")
+        try:
+            optimizer.step()
+        except NonFiniteError as exc:
+            return list(exc.ranks)
+        return None
+
+    assert SimWorld(47).run(run) == [bad] * 47

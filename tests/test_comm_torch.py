@@ -48,6 +48,13 @@ def _each_rank_holds_its_rank() -> dict:
 
     m = torch.full((2, 3), float(r), dtype=torch.float64)
     seen["mean"] = sorted(set(comm.all_reduce(m, op="mean").flatten().tolist()))
+    a = torch.full((5,), float(r))
+    handle = comm.all_reduce_async(a, op="mean")
+    seen["mean_async"] = sorted(set(handle.wait().tolist())) + sorted(set(handle.wait().tolist()))
+    try:
+        comm.all_reduce_async(a, op="max")
+    except ValueError as exc:
+        seen["bad_op"] = str(exc)
     nc = torch.full((4, 3), float(r)).t()  # not contiguous: reduced through a copy
     comm.all_reduce(nc)
     seen["noncontig"] = sorted(set(nc.flatten().tolist()))
@@ -123,6 +130,9 @@ def test_each_rank_holds_its_rank(n: int) -> None:
         assert seen["rank"] == r
         assert seen["sum"] == [total]
         assert seen["mean"] == [total / n]
+        # divided once, however often it is waited for
+        assert seen["mean_async"] == [total / n, total / n]
+        assert seen["bad_op"] == "op must be 'sum' or 'mean', got 'max'"
         assert seen["noncontig"] == [total]
         expected = ring_all_reduce_traffic(r, n, N, 4)
         assert seen["stats_sent"] == {peer: nbytes for peer, nbytes, _ in expected}
@@ -135,7 +145,7 @@ def test_each_rank_holds_its_rank(n: int) -> None:
         assert seen["exchange"] == {(r - 1) % n: [float((r - 1) % n)]}
         assert seen["exchange_idempotent"]
         assert seen["broadcast"] == [1.0] * 3
-        assert seen["operations"] == {"all_reduce": 3, "all_gather": 2, "exchange": 1,
+        assert seen["operations"] == {"all_reduce": 4, "all_gather": 2, "exchange": 1,
                                       "broadcast": 1, "barrier": 1}
 
         g = seen["rev_rank"]

@@ -131,6 +131,25 @@ def test_rank_flags_sum_to_the_set_of_ranks() -> None:
     assert ranks_from_flags(total) == [0, 1, 23, 24, 59]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_flags_come_back_from_their_mean(dtype) -> None:
+    """The flags' mean over the world (as an all-reduce with op="mean" leaves them: the sum,
+    then one division in the flags' dtype) names the same ranks as their sum, whichever
+    ranks set their bit, up to every rank of the world."""
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 7, 22, 23, 255, 256, 1000, 4097):
+        for trial in range(20):
+            count = n if trial == 0 else int(torch.randint(1, n + 1, (1,), generator=g))
+            ranks = sorted(torch.randperm(n, generator=g)[:count].tolist())
+            total = torch.zeros(flag_words(n), dtype=dtype)
+            for rank in ranks:
+                flags = torch.zeros(flag_words(n), dtype=dtype)
+                set_flag(flags, rank)
+                total += flags
+            assert ranks_from_flags(total) == ranks
+            assert ranks_from_flags(total / n, mean_of=n) == ranks, (n, ranks)
+
+
 # ----------------------------------------------------------------------------- simulator
 
 

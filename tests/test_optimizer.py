@@ -328,3 +328,52 @@ def test_step_hooks_and_the_profilers_record_are_torchs():
     assert closures == 1
     assert "Optimizer.step#DistributedOptimizer.step" in names
     assert "Optimizer.step#SGD.step" in names
+
+
+def test_the_wrapped_optimizers_step_runs_its_hooks_without_a_profiler():
+    """Without a profiler the wrapped optimizer's step runs outside torch's wrapper (no
+    profiler record), with its own and the global hooks in torch's order and with torch's
+    arguments (the optimizer first, as torch's wrapper passes them); a step set on the
+    object (here a counter) is called as it is; the parameters move as a plain SGD's."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def steps(comm, patched):
+        model = _model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = gossamer.distribute(model, inner, "allreduce", comm)
+        calls = []
+        if patched:
+            step = inner.step
+            inner.step = lambda *a, **k: (calls.append("patched"), step(*a, **k))[1]
+        handles = [
+            register_optimizer_step_pre_hook(
+                lambda opt, a, k: calls.append(("global pre", type(opt).__name__))),
+            inner.register_step_pre_hook(
+                lambda opt, a, k: calls.append(("inner pre", a == (opt,), k))),
+            inner.register_step_post_hook(lambda opt, a, k: calls.append("inner post")),
+        ]
+        try:
+            for step_index in range(2):
+                optimizer.zero_grad()
+                _loss(model, step_index).backward()
+                optimizer.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls, [p.detach().clone() for p in model.parameters()]
+
+    model = _model()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step_index in range(2):
+        plain.zero_grad()
+        _loss(model, step_index).backward()
+        plain.step()
+    for patched in (False, True):
+        calls, params = SimWorld(1).run(steps, patched)[0]
+        one_step = [("global pre", "DistributedOptimizer"), ("global pre", "SGD"),
+                    ("inner pre", True, {}), "inner post"]
+        if patched:
+            one_step.insert(1, "patched")
+        assert calls == one_step * 2
+        for p, q in zip(params, model.parameters(), strict=True):
+            assert torch.equal(p, q.detach())

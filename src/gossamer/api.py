@@ -46,43 +46,76 @@ from gossamer.comm.base import Communicator
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
 
 
+def _global_hooks() -> tuple[dict, dict] | None:
+    from torch.optim import optimizer as torch_optimizer
+
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    return None if pre is None or post is None else (pre, post)
+
+
+_GLOBAL_HOOKS = _global_hooks()  # torch's own dictionaries: hooks registered later are in them
+# the code of the wrapper torch puts around every optimizer class's step
+_TORCH_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
+
+
+def _hooked_step(self: torch.optim.Optimizer, args: tuple, kwargs: dict,
+                 call: Callable[..., Any]) -> Any:
+    """``call(*args, **kwargs)``, ``self``'s step, between the global and ``self``'s own step
+    hooks, in torch's order; each hook gets ``(self, args, kwargs)``, and a pre-hook may
+    replace ``args`` and ``kwargs``."""
+    assert _GLOBAL_HOOKS is not None
+    pre, post = _GLOBAL_HOOKS
+    for pre_hook in [*pre.values(), *self._optimizer_step_pre_hooks.values()]:
+        result = pre_hook(self, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{call} must return None or a tuple of (new_args, "
+                                   f"new_kwargs), but got {result}.")
+            args, kwargs = result
+    out = call(*args, **kwargs)
+    self._optimizer_step_code()
+    for post_hook in [*self._optimizer_step_post_hooks.values(), *post.values()]:
+        post_hook(self, args, kwargs)
+    return out
+
+
 def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` with what ``torch.optim.Optimizer`` wraps every step in: the global and the
     optimizer's own step pre- and post-hooks, run as torch runs them, inside a profiler
     record named as torch names it. The record is entered only while a profiler runs:
     entering one costs about 6 us, which the wrapped optimizer's step pays already, and a
     small model's whole step takes 300 us (the simulator runs hundreds of them a step)."""
-    from torch.optim import optimizer as torch_optimizer
-
-    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-    if pre is None or post is None:  # a torch without them: its own wrapper
+    if _GLOBAL_HOOKS is None:  # a torch without them: its own wrapper
         return torch.optim.Optimizer.profile_hook_step(step)
-
-    def hooked(self: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
-        for pre_hook in [*pre.values(), *self._optimizer_step_pre_hooks.values()]:
-            result = pre_hook(self, args, kwargs)
-            if result is not None:
-                if not (isinstance(result, tuple) and len(result) == 2):
-                    raise RuntimeError(f"{step} must return None or a tuple of (new_args, "
-                                       f"new_kwargs), but got {result}.")
-                args, kwargs = result
-        out = step(self, *args, **kwargs)
-        self._optimizer_step_code()
-        for post_hook in [*self._optimizer_step_post_hooks.values(), *post.values()]:
-            post_hook(self, args, kwargs)
-        return out
 
     @functools.wraps(step)
     def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if torch._C._autograd._profiler_enabled():
             name = f"Optimizer.step#{type(self).__name__}.step"
             with torch.autograd.profiler.record_function(name):
-                return hooked(self, args, kwargs)
-        return hooked(self, args, kwargs)
+                return _hooked_step(self, args, kwargs, functools.partial(step, self))
+        return _hooked_step(self, args, kwargs, functools.partial(step, self))
 
     wrapper.hooked = True  # type: ignore[attr-defined]  # torch's own wrapper then stays off
     return wrapper
+
+
+def _step_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``. Where that is torch's wrapper around its class's step, the same
+    without the wrapper's profiler record unless a profiler runs (about 6 us of a small
+    model's 300 us step, paid by every simulated worker): its hooks run as torch runs them.
+    A step set on the object (an LR scheduler's counter), another wrapper, ``torch.compile``
+    or a torch without the global hooks: ``optimizer.step()`` itself."""
+    step = type(optimizer).step
+    if (getattr(step, "__code__", None) is _TORCH_STEP_CODE and _GLOBAL_HOOKS is not None
+            and "step" not in vars(optimizer)
+            and not torch._C._autograd._profiler_enabled()
+            and not torch.compiler.is_compiling()):
+        # as torch's wrapper calls it: the hooks' arguments hold the optimizer
+        _hooked_step(optimizer, (optimizer,), {}, step.__wrapped__)
+    else:
+        optimizer.step()
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -208,7 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._report_overflow()
                 return loss
         else:
-            self.optimizer.step()
+            _step_wrapped(self.optimizer)
         runtime.after_step()
         runtime.step += 1
         runtime.before_forward()

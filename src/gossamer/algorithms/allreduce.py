@@ -234,10 +234,9 @@ class AllReduceRuntime(Runtime):
         """Nothing here: the workers agree on non-finite gradients in after_backward."""
         self.skip_update = False
 
-    def _agree(self) -> bool:
-        """Whether every worker's gradient is finite, from the all-reduced flags (raises under
-        the "raise" policy, on every worker alike)."""
-        ranks = ranks_from_flags(self.flags)
+    def _agree(self, ranks: list[int]) -> bool:
+        """Whether every worker's gradient is finite, from the ``ranks`` the all-reduced flags
+        name (raises under the "raise" policy, on every worker alike)."""
         if not ranks:
             return True
         if self.nonfinite == "raise" and self.overflow is None:  # a scaler's overflow skips
@@ -256,7 +255,7 @@ class AllReduceRuntime(Runtime):
         # the flags were read once after the reduction: unless a worker set its bit, every
         # gradient was finite (the usual case, without reading them again)
         self._found = self.gradients.found if self.gradients.flagged else None
-        if not self.gradients.flagged or self._agree():
+        if not self.gradients.flagged or self._agree(self.gradients.ranks()):
             self.synchronizations += 1
         self.gradients.new_step()
 
@@ -297,7 +296,7 @@ class AllReduceRuntime(Runtime):
         self.compressed.reduce(self.overflow)
         self._found = self.compressed.found
         self.compressed.new_step()
-        if not self._agree():  # skip: every worker drops this step's average
+        if not self._agree(ranks_from_flags(self.flags)):  # skip: every worker drops it
             return
         if not self.decay_in_gradient:  # each worker decays its own parameters: nothing sent
             for name, p in self.named:

@@ -13,8 +13,9 @@ Who decides depends on how the algorithm communicates:
 
 - **agreement** (``allreduce`` and the compressed all-reduces ``dgc``, ``topk``, ``randomk``,
   ``qsgd``, ``powersgd``, ``fp16``): they make a global collective every step anyway, so every
-  worker learns which ranks had a non-finite gradient from one bit per rank, summed at the end
-  of that collective's buffer (one float32 more per 24 ranks, no message of its own; fp16's
+  worker learns which ranks had a non-finite gradient from one bit per rank, summed (or
+  averaged: AllReduce's buckets) at the end of that collective's buffer (one float32 more per
+  22 ranks, no message of its own; fp16's
   half-precision wires make it a separate small all-reduce). A worker with a non-finite
   gradient sends zeros in its place (the compressed ones compress zeros, so that no
   error-feedback residual or DGC momentum ever sees the value). With ``raise`` every worker
@@ -64,7 +65,10 @@ __all__ = ["POLICIES", "NonFiniteError", "agree", "all_finite", "check_policy",
            "describe_nonfinite", "flag_words", "ranks_from_flags", "set_flag"]
 
 POLICIES = ("raise", "skip")
-_BITS = 24  # ranks per float32 flag word: sums of distinct powers of two below 2^24 are exact
+# ranks per float32 flag word: sums of distinct powers of two below 2^22 are exact, and their
+# mean over any number of ranks, rounded to float32, is within 2^22 * 2^-24 = 1/4 of the sum
+# divided by that number: the sum comes back exactly (see ranks_from_flags)
+_BITS = 22
 
 
 class NonFiniteError(FloatingPointError):
@@ -134,21 +138,22 @@ def set_flag(flags: torch.Tensor, rank: int) -> None:
     flags[rank // _BITS] = float(1 << (rank % _BITS))
 
 
-def ranks_from_flags(flags: torch.Tensor) -> list[int]:
-    """The ranks whose bits are set in the all-reduced (summed) ``flags``."""
+def ranks_from_flags(flags: torch.Tensor, mean_of: int = 1) -> list[int]:
+    """The ranks whose bits are set in the all-reduced ``flags``: their sum, or their mean
+    over ``mean_of`` ranks."""
     values = flags.tolist()
     if not any(values):  # the usual case, at once
         return []
     ranks = []
     for word, value in enumerate(values):
-        bits = int(value)
+        bits = round(value * mean_of)
         ranks += [word * _BITS + b for b in range(_BITS) if bits >> b & 1]
     return ranks
 
 
 def agree(comm: Communicator, found: bool, device: torch.device | str = "cpu") -> list[int]:
     """The ranks whose ``found`` is True (non-finite values), from one all-reduce of one bit
-    per rank (a float32 per 24 ranks) on ``device``. Collective: for callers that make no
+    per rank (a float32 per 22 ranks) on ``device``. Collective: for callers that make no
     collective of their own at that point, under a GradScaler only (a barrier otherwise
     absent from gossip and asynchronous methods)."""
     flags = torch.zeros(flag_words(comm.world_size), dtype=torch.float32, device=device)

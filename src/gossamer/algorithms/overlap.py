@@ -15,9 +15,10 @@ gradients.
 :class:`BackwardSchedule` is that bookkeeping; what a bucket's communication is belongs to
 its subclasses:
 
-- :class:`GradientBuckets`, AllReduce's dense average: flat buckets, each all-reduced with
-  ``all_reduce_async``; the non-finite flags of :mod:`gossamer.algorithms.nonfinite` ride at
-  the end of the last bucket.
+- :class:`GradientBuckets`, AllReduce's dense average: flat buckets, each averaged with
+  ``all_reduce_async(op="mean")``; the non-finite flags of
+  :mod:`gossamer.algorithms.nonfinite` ride at the end of the last bucket (their mean names
+  the same ranks as their sum).
 - :class:`CompressedBuckets`, AllReduce with a compressor: each bucket goes through the
   :class:`~gossamer.compress.CompressedReducer` (compensate, compress, collectives,
   decompress, memory) on a :class:`CommThread`, one bucket after the other, while backward
@@ -45,7 +46,12 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.buckets import Buckets, layout
-from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite, set_flag
+from gossamer.algorithms.nonfinite import (
+    all_finite,
+    describe_nonfinite,
+    ranks_from_flags,
+    set_flag,
+)
 from gossamer.comm.base import Communicator, without_grad
 from gossamer.compress.reducer import CompressedReducer
 
@@ -282,7 +288,8 @@ class GradientBuckets(BackwardSchedule):
     def _start(self, bucket: int) -> None:
         """Pack bucket ``bucket`` and start its all-reduce."""
         buffer = self._pack(bucket)
-        self._handles.append(self.comm.all_reduce_async(buffer))  # type: ignore[attr-defined]
+        self._handles.append(self.comm.all_reduce_async(  # type: ignore[attr-defined]
+            buffer, op="mean"))
 
     def _complete(self) -> None:
         """Wait for every bucket, write the averages."""
@@ -300,31 +307,32 @@ class GradientBuckets(BackwardSchedule):
             return
         self._zero_flags()
         for bucket in range(len(self.members)):  # the flags' bucket last, as during backward
-            self.comm.all_reduce(self._pack(bucket, nonfinite=bool(overflow)), op="sum")
+            self.comm.all_reduce(self._pack(bucket, nonfinite=bool(overflow)), op="mean")
         self._write_averages()
         self.averaged = True
 
+    def ranks(self) -> list[int]:
+        """The ranks that flagged a non-finite gradient in this step's reduction."""
+        return ranks_from_flags(self.flags, mean_of=self.comm.world_size)
+
     def _write_averages(self) -> None:
-        """Divide by the world size and copy into the gradients, unless a worker flagged a
-        non-finite gradient (then the gradients stay as they were: the step is dropped)."""
+        """Copy the averages into the gradients, unless a worker flagged a non-finite gradient
+        (then the gradients stay as they were: the step is dropped)."""
+        # the flags' mean is 0 exactly when no bit was set
         self._flags_dirty = any(self.flags.tolist())  # a few numbers: cheaper than a reduction
         if self._flags_dirty:
             return
-        targets, sums = [], []
-        for p, summed in zip(self.params, self.views, strict=True):
+        targets, averages = [], []
+        for p, average in zip(self.params, self.views, strict=True):
             if p.grad is None:
                 # Unused on this worker but maybe not on others: take the average anyway,
                 # so the replicas stay identical.
-                p.grad = torch.empty_like(summed)
+                p.grad = torch.empty_like(average)
             targets.append(p.grad)
-            sums.append(summed)
-        # each bucket's sums divided in its flat buffer (one call a bucket: on a CPU a
-        # "foreach" call is one call per tensor, and a small model's step is made of such
-        # calls), then copied into the gradients; as many passes over the data as dividing
-        # in the gradients, the same values
-        for span in self._spans:
-            span.div_(self.comm.world_size)
-        torch._foreach_copy_(targets, sums)
+            averages.append(average)
+        # the buckets were averaged by the collective (the simulator divides each sum once
+        # for all its members; real processes divide their own, as the division here did)
+        torch._foreach_copy_(targets, averages)
 
 
 class ThreadedBuckets(BackwardSchedule):

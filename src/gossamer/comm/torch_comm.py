@@ -281,8 +281,10 @@ class _Collective:
     """The handle of :meth:`TorchCommunicator.all_reduce_async`; ``wait()`` is idempotent and
     waits at most the communicator's timeout."""
 
-    def __init__(self, comm: TorchCommunicator, label: str, work, tensor: torch.Tensor) -> None:
+    def __init__(self, comm: TorchCommunicator, label: str, work, tensor: torch.Tensor,
+                 mean: bool = False) -> None:
         self._comm, self._label, self._work, self._tensor = comm, label, work, tensor
+        self._mean = mean  # divide the sum by the world size once it is there
         self._seq = comm._seq  # its number: another may have started since
 
     def ready(self) -> bool:
@@ -294,6 +296,8 @@ class _Collective:
             self._comm._wait(self._work, self._label, self._comm._others(), deadline,
                              seq=self._seq)
             self._work = None
+            if self._mean:
+                divide_(self._tensor, self._comm.world_size)
         return self._tensor
 
 
@@ -535,10 +539,12 @@ class TorchCommunicator:
         self._count_all_reduce(tensor)
         return tensor
 
-    def all_reduce_async(self, tensor: torch.Tensor) -> _Collective:
-        """Start summing the contiguous ``tensor`` over all ranks, in place; ``wait()`` on the
-        handle (within the timeout) completes it. Collectives start in the same order on
-        every rank; the bytes are counted when it starts."""
+    def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> _Collective:
+        """Start summing (or averaging) the contiguous ``tensor`` over all ranks, in place;
+        ``wait()`` on the handle (within the timeout) completes it. Collectives start in the
+        same order on every rank; the bytes are counted when it starts."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_async needs a contiguous tensor")
         label = self._begin("all_reduce")
@@ -548,7 +554,7 @@ class TorchCommunicator:
         except RuntimeError as exc:  # (gloo's own errors are not DistErrors: see _wait)
             raise self._failure(label, self._others(), exc, deadline) from exc
         self._count_all_reduce(tensor)
-        return _Collective(self, label, work, tensor)
+        return _Collective(self, label, work, tensor, mean=op == "mean")
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor, in rank order; sizes may differ (same dtype and ndim).
