@@ -7,6 +7,10 @@ mean is reported beside it (the simulated step is a mean: the run's time over it
 
     gossamer bench sim_overhead --workers 64 256 1024
 
+With ``--like-for-like``, also against a bare step whose optimizer is called as gossamer calls
+the wrapped one (gradients set to None directly, no profiler record around the step while no
+profiler runs): the ratio then leaves out what gossamer saves over torch's own loop.
+
 With ``--breakdown``, two steps in between, each against the same bare step: n separate models
 stepped one after the other without the simulator (what n models' memory costs alone), and
 the simulator's workers stepping a plain torch optimizer with a barrier per step (what the
@@ -29,11 +33,33 @@ def batch(seed: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.rand(size, 64, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
-def bare_step_times(steps: int, size: int) -> StepTimes:
-    """Real times of ``steps`` steps of the model alone (after 10 untimed steps)."""
+class LeanOptimizer:
+    """A torch optimizer's ``zero_grad`` and ``step`` as gossamer's ``DistributedOptimizer``
+    calls them: the gradients set to None directly, the step without torch's profiler record
+    (no profiler runs), its hooks as torch runs them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        from gossamer.api import _step_wrapped
+
+        _step_wrapped(self.optimizer)
+
+
+def bare_step_times(steps: int, size: int, lean: bool = False) -> StepTimes:
+    """Real times of ``steps`` steps of the model alone (after 10 untimed steps); ``lean``:
+    with the optimizer called as gossamer calls it (:class:`LeanOptimizer`)."""
     model = mlp(*DIGITS_MLP)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return timed_steps(sgd_step(model, opt, batch(0, size)), steps, warmup=10)
+    stepped = LeanOptimizer(opt) if lean else opt
+    return timed_steps(sgd_step(model, stepped, batch(0, size)), steps,  # type: ignore[arg-type]
+                       warmup=10)
 
 
 def sim_worker(comm, steps: int, size: int) -> float:
@@ -82,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--like-for-like", action="store_true",
+                        help="also time the bare step with its optimizer called as gossamer "
+                             "calls the wrapped one (gradients set to None directly, no "
+                             "profiler record around the step), and the ratio to it")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time n separate models without the simulator, and the "
                              "simulated workers with a plain optimizer and a barrier")
@@ -93,11 +123,13 @@ def run(args: argparse.Namespace, results: Results) -> int:
     torch.set_num_threads(1)
     rows = []
     for n in args.workers:
-        bare, bare_mean, simulated, separate, barrier = [], [], [], [], []
+        bare, bare_mean, lean, simulated, separate, barrier = [], [], [], [], [], []
         for _ in range(args.repeats):  # alternate, so that both see the same machine load
             times = bare_step_times(args.steps * 5, args.batch)
             bare.append(times.median)
             bare_mean.append(times.per_step)
+            if args.like_for_like:
+                lean.append(bare_step_times(args.steps * 5, args.batch, lean=True).median)
             if args.breakdown:
                 separate.append(separate_models_seconds(n, args.steps, args.batch))
                 barrier.append(SimWorld(n).run(sim_barrier_worker, args.steps, args.batch)[0])
@@ -117,6 +149,12 @@ def run(args: argparse.Namespace, results: Results) -> int:
         # step leaves them out. The same statistic on both sides: the bare steps' mean.
         row["bare_step_mean_ms"] = 1e3 * statistics.median(bare_mean)
         row["ratio_to_mean"] = row["simulated_step_ms"] / (n * row["bare_step_mean_ms"])
+        if args.like_for_like:
+            row["bare_lean_step_ms"] = 1e3 * statistics.median(lean)
+            row["ratio_like_for_like"] = row["simulated_step_ms"] / (n * row["bare_lean_step_ms"])
+            print(f"{n} workers, like for like: bare step {row['bare_lean_step_ms']:.3f} ms "
+                  f"with the optimizer called as gossamer calls it ({row['bare_step_ms']:.3f} "
+                  f"ms as torch's loop calls it), ratio {row['ratio_like_for_like']:.2f}")
         if args.breakdown:
             for key, times in (("separate_models", separate), ("simulated_barrier", barrier)):
                 row[f"{key}_step_ms"] = 1e3 * statistics.median(times)

@@ -68,16 +68,19 @@ def test_a_tiny_benchmark_runs_end_to_end_and_writes_its_results(tmp_path, capsy
     assert f"wrote {path}" in capsys.readouterr().out
 
 
-def test_the_sim_overhead_breakdown_times_separate_models_and_a_barrier_per_step(tmp_path):
+def test_the_sim_overhead_breakdown_times_separate_models_a_barrier_and_a_lean_loop(tmp_path):
     threads = torch.get_num_threads()
     try:
         code = _bench(["--results", str(tmp_path), "--figures", str(tmp_path), "sim_overhead",
                        "--workers", "3", "--steps", "2", "--repeats", "1", "--batch", "4",
-                       "--breakdown"])
+                       "--breakdown", "--like-for-like"])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     [row] = json.loads((tmp_path / "sim_overhead.json").read_text())["rows"]
+    assert row["bare_lean_step_ms"] > 0
+    assert row["ratio_like_for_like"] == pytest.approx(row["simulated_step_ms"]
+                                                       / (3 * row["bare_lean_step_ms"]))
     for key in ("separate_models", "simulated_barrier"):
         assert row[f"{key}_step_ms"] > 0
         assert row[f"{key}_ratio"] == pytest.approx(row[f"{key}_step_ms"]
@@ -130,3 +133,25 @@ def test_markdown_table_checks_the_row_width():
     assert markdown_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
     with pytest.raises(ValueError, match="3 cells"):
         markdown_table(["a", "b"], [[1, 2, 3]])
+
+
+def test_the_lean_optimizer_steps_as_the_plain_one():
+    """The like-for-like bare loop's optimizer: gradients set to None, the same parameters
+    after three steps as torch's own loop."""
+    from benchmarks.sim_overhead import LeanOptimizer
+
+    def train(lean: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        stepped = LeanOptimizer(opt) if lean else opt
+        for step in range(3):
+            stepped.zero_grad()
+            model(torch.full((4, 3), float(step))).square().sum().backward()
+            stepped.step()
+        stepped.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
