@@ -315,6 +315,40 @@ def test_batchnorm_statistics_stay_local_and_are_reestimated_before_eval():
         assert torch.equal(r[1], r[0])
 
 
+def test_at_the_end_of_a_round_only_the_statistics_are_all_reduced_before_eval():
+    """An evaluation right after a round's average re-estimates the statistics without
+    averaging the parameters again (they are equal already): one all-reduce, of the
+    statistics; inside a round (after 1 step of 2), the parameters' average comes first."""
+    def worker(comm, steps):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  LocalSGD(period=2), comm)
+        g = torch.Generator().manual_seed(comm.rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(16, 4, generator=g) + comm.rank).pow(2).mean().backward()
+            opt.step()
+        opt.runtime.training_inputs = lambda count: (
+            torch.randn(16, 4, generator=g) for _ in range(count))
+        before = (comm.stats.operations.get("all_reduce", 0), comm.stats.total_bytes_sent)
+        params = _flat(model)
+        opt.before_eval()
+        after = (comm.stats.operations.get("all_reduce", 0), comm.stats.total_bytes_sent)
+        return after[0] - before[0], after[1] - before[1], torch.equal(_flat(model), params)
+
+    at_the_end = SimWorld(3).run(worker, 2)
+    inside = SimWorld(3).run(worker, 1)
+    statistics, parameters = 2 * 4 * 4, sum(p.numel() for p in nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).parameters()) * 4
+    ring = 2 * 2 / 3  # each of 3 workers sends 2 (n - 1) / n of a ring all-reduce's bytes
+    for count, sent, unchanged in at_the_end:
+        assert count == 1 and sent == pytest.approx(ring * statistics, abs=8) and unchanged
+    for count, sent, unchanged in inside:
+        assert count == 2 and unchanged
+        assert sent == pytest.approx(ring * (statistics + parameters), abs=16)
+
+
 def test_inside_a_round_the_statistics_are_the_averaged_models():
     """An evaluation inside a round (1 step of 2) re-estimates BatchNorm statistics with the
     average of the replicas, the model that is evaluated, and leaves each worker its own

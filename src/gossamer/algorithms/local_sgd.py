@@ -215,9 +215,13 @@ class LocalSGDRuntime(Runtime):
         Every worker estimates them on its own inputs with the averaged parameters (inside a
         round the replicas differ), they are averaged, and each worker goes on with its own
         parameters. For the evaluation only: training in train mode never reads the
-        statistics, and the next evaluation estimates them afresh. Collective."""
+        statistics, and the next evaluation estimates them afresh. Right after a round's
+        average the replicas are equal: only the statistics are all-reduced. Collective."""
         count = self.config.reestimate_batchnorm
         if not count or self.training_inputs is None or not batchnorm_layers(self.model):
+            return
+        if self._replicas_equal():  # the average is every worker's own parameters
+            reestimate_batchnorm(self.comm, self.model, self.training_inputs(count))
             return
         params = [p.data for p in self.model.parameters()]
         own = [p.clone() for p in params]
@@ -227,6 +231,11 @@ class LocalSGDRuntime(Runtime):
         finally:
             for p, mine in zip(params, own, strict=True):
                 p.copy_(mine)
+
+    def _replicas_equal(self) -> bool:
+        """Whether every worker's parameters are the same now: the step before this one
+        ended a round (its exact average), or a membership change averaged them."""
+        return self.last_averaged == self.step - 1
 
     def finish(self) -> None:
         if self.config.average_at_end and self.last_averaged != self.step - 1:

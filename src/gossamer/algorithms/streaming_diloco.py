@@ -549,6 +549,11 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         if self.config.average_at_end:
             self.average_parameters()
 
+    def _replicas_equal(self) -> bool:
+        """Not known from the last synchronisation: a fragment's leaves the others as they
+        are (an evaluation's re-estimation averages the parameters first)."""
+        return False
+
     @torch.no_grad()
     def average_parameters(self) -> None:
         """Every replica the same, as the fragments' schedule would have it: after the last
