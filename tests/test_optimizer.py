@@ -300,13 +300,14 @@ def test_step_hooks_and_the_profilers_record_are_torchs():
             return loss
 
         def own_pre(opt, args, kwargs):
-            calls.append(("own pre", opt is optimizer))
-            return (), {"closure": closure}  # the step then evaluates this closure
+            calls.append(("own pre", opt is optimizer and args == (optimizer,)))
+            return (opt,), {"closure": closure}  # the step then evaluates this closure
 
         handles = [
             register_optimizer_step_pre_hook(lambda opt, a, k: calls.append(("global pre", 0))),
             optimizer.register_step_pre_hook(own_pre),
-            optimizer.register_step_post_hook(lambda opt, a, k: calls.append(("own post", a))),
+            optimizer.register_step_post_hook(
+                lambda opt, a, k: calls.append(("own post", a == (opt,), tuple(k)))),
             register_optimizer_step_post_hook(lambda opt, a, k: calls.append(("global post", 0))),
         ]
         try:
@@ -321,10 +322,12 @@ def test_step_hooks_and_the_profilers_record_are_torchs():
     calls, closures, names = SimWorld(1).run(steps)[0]
     # torch runs the inner SGD's own hooks too: only the global ones twice
     own = [c for c in calls if c[0].startswith("own")]
-    assert own == [("own pre", True), ("own post", ())]
+    # as torch passes them: the arguments hold the optimizer first, and the post-hooks see
+    # what the pre-hook made of them
+    assert own == [("own pre", True), ("own post", True, ("closure",))]
     assert [c[0] for c in calls if c[0].startswith("global")] == [
         "global pre", "global pre", "global post", "global post"]
-    assert calls.index(("own pre", True)) < calls.index(("own post", ()))
+    assert calls.index(("own pre", True)) < calls.index(("own post", True, ("closure",)))
     assert closures == 1
     assert "Optimizer.step#DistributedOptimizer.step" in names
     assert "Optimizer.step#SGD.step" in names
