@@ -154,7 +154,7 @@ def print_table(rows: dict[str, dict[str, Any]], target: float = 0.15) -> None:
 
     cells = [[label, f"{r['measured'] * 1e3:.1f}", f"{r['predicted'] * 1e3:.1f}",
               f"{r['ratio']:.2f}", "yes" if abs(r["ratio"] - 1) <= target else "no",
-              *(f"{r[k]:.2f}x" if r[k] == r[k] else "-"  # nan: no AllReduce measured
+              *(f"{r[k]:.2f}x" if not math.isnan(r[k]) else "-"  # no AllReduce measured
                 for k in ("measured_speedup", "predicted_speedup")),
               f"{r['measured_bytes'] / 1e6:.2f}", f"{r['predicted_bytes'] / 1e6:.2f}",
               f"{r['predicted_jitter'] / r['measured']:.2f}" if "predicted_jitter" in r

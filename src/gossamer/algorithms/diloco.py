@@ -352,7 +352,7 @@ class DiLoCoRuntime(LocalSGDRuntime):
         synchronised after the step before this one (a round's end, a membership change):
         every worker holds the global parameters then, and an outer step on that zero
         pseudo-gradient would still move them by the outer momentum."""
-        if self.last_averaged != self.step - 1:
+        if not self._replicas_equal():
             self._average()
 
     @torch.no_grad()

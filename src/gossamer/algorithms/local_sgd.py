@@ -238,7 +238,7 @@ class LocalSGDRuntime(Runtime):
         return self.last_averaged == self.step - 1
 
     def finish(self) -> None:
-        if self.config.average_at_end and self.last_averaged != self.step - 1:
+        if self.config.average_at_end and not self._replicas_equal():
             self.average_parameters()
 
     @torch.no_grad()

@@ -185,7 +185,8 @@ class CompressedReducer:
                                             self.bucket_bytes)):
             if self.aggregation == "allreduce":
                 results, ridden = self._all_reduce(run, riding if index == 0 else [])
-                means = means or ridden
+                if index == 0:  # the riding tensors' means come with the first run only
+                    means = ridden
             elif self.aggregation == "sparse_allreduce":
                 results = self._sparse_all_reduce(run)
             else:
