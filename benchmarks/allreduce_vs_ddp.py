@@ -125,7 +125,7 @@ def worker(rounds: int, steps_per_block: int, batch: int,
            model: str = "mlp", powersgd: int = 0) -> dict[str, list[float]]:
     from gossamer.comm import TorchCommunicator
 
-    comm = TorchCommunicator.from_env(timeout=120)
+    comm = TorchCommunicator.from_env(backend="gloo", timeout=120)  # CPU tensors
     try:
         return compare(comm, rounds, steps_per_block, batch, model, powersgd)
     finally:

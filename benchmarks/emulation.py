@@ -124,7 +124,9 @@ def _worker(task_path: str, out_path: str) -> None:
 
     task = json.loads(Path(task_path).read_text())
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    comm = TorchCommunicator.from_env(timeout=task.get("comm_timeout", COMM_TIMEOUT))
+    # gloo: the tasks' tensors are on the CPU, also where a GPU would make NCCL the default
+    comm = TorchCommunicator.from_env(backend="gloo",
+                                      timeout=task.get("comm_timeout", COMM_TIMEOUT))
     try:
         result = TASKS[task["kind"]](comm, **task["args"])
     finally:

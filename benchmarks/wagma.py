@@ -79,7 +79,7 @@ def sim(args: argparse.Namespace, results: Results) -> None:
 def _gloo_worker(name: str, options: dict, steps: int, base: float):
     from gossamer.comm import TorchCommunicator
 
-    comm = TorchCommunicator.from_env(timeout=120)
+    comm = TorchCommunicator.from_env(backend="gloo", timeout=120)  # CPU tensors
     try:
         return _train(comm, name, options, steps, sleep=base * (4 if comm.rank == 3 else 1))
     finally:

@@ -121,6 +121,38 @@ def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traff
     assert not [n for n in leftovers(include_live=True) if n.startswith(f"gsm-{os.getpid()}-")]
 
 
+def test_an_emulated_worker_uses_gloo_also_where_cuda_would_make_nccl_the_default(
+        tmp_path, monkeypatch):
+    # the tasks' tensors are on the CPU: NCCL, the default where CUDA is available, fails
+    # every collective on them ("No backend type associated with device type cpu")
+    import json
+
+    import torch
+
+    import benchmarks.emulation as emulation
+    from benchmarks.netbench_tasks import TASKS
+    from gossamer.comm import TorchCommunicator
+
+    asked = {}
+
+    class Fake:
+        def close(self):
+            asked["closed"] = True
+
+    def from_env(**kwargs):
+        asked.update(kwargs)
+        return Fake()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(TorchCommunicator, "from_env", staticmethod(from_env))
+    monkeypatch.setitem(TASKS, "probe", lambda comm: {"ran": True})
+    task, out = tmp_path / "task.json", tmp_path / "out.json"
+    task.write_text(json.dumps({"kind": "probe", "args": {}}))
+    emulation._worker(str(task), str(out))
+    assert asked["backend"] == "gloo" and asked["closed"]
+    assert json.loads(out.read_text()) == {"ran": True}
+
+
 def test_the_suite_takes_a_frame_size_and_reuses_only_results_of_the_same_one(tmp_path):
     import json
 
