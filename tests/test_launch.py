@@ -129,6 +129,17 @@ def test_emulation_without_root_or_tools_says_so_and_exits_2(missing, message, m
     assert err.count(message) == 2 and "Traceback" not in err
 
 
+def test_snmp_counter_reads_a_value_under_its_name_and_names_a_missing_one():
+    lines = ["Ip: Forwarding DefaultTTL", "Ip: 1 64",
+             "Tcp: RtoAlgorithm RtoMin InSegs OutSegs RetransSegs InErrs",
+             "Tcp: 1 200 41497860 41469615 26801 0",
+             "Udp: InDatagrams NoPorts", "Udp: 5 6"]
+    assert netem.snmp_counter(lines, "Tcp", "RetransSegs") == 26801
+    assert netem.snmp_counter(lines, "Udp", "NoPorts") == 6
+    with pytest.raises(netem.NetworkSetupError, match="no Tcp counter 'Retrans'"):
+        netem.snmp_counter(lines, "Tcp", "Retrans")
+
+
 def test_qdiscs_netem_on_the_switch_side_tbf_on_both():
     link = LinkSpec(bandwidth="1gbit", delay=1e-3, jitter=1e-4, loss=0.01)
     switch_side = netem._qdisc_commands("sw", "gsms0", link, netem=True)
@@ -226,6 +237,7 @@ def test_one_slow_link_is_shaped_both_ways_and_counters_count_frames():
     assert 8 * nbytes / unshaped["seconds"] > 3 * 19.1e6
     # what TCP carried, from the interface's counters: bytes less each frame's headers
     sent = after["tx_bytes"] - before["tx_bytes"]
+    assert after["tcp_retransmitted"] >= before["tcp_retransmitted"] >= 0
     frames = after["tx_packets"] - before["tx_packets"]
     assert abs(sent - HEADERS * frames - (nbytes + 5)) < 0.001 * nbytes, (sent, frames)
     assert frames >= nbytes / 1448  # wire-sized frames: no segmentation offload on the link

@@ -118,6 +118,7 @@ def test_emulated_all_reduce_of_two_workers_reports_each_rank_and_the_link_traff
     assert all(t >= 0.007 for t in times)
     # 1 untimed + 2 timed all-reduces, each sending the whole megabyte at 2 workers
     assert traffic[0]["tx_bytes"] >= 3 * size
+    assert traffic[0]["tcp_retransmitted"] >= 0  # the namespace's TCP counter, read
     assert not [n for n in leftovers(include_live=True) if n.startswith(f"gsm-{os.getpid()}-")]
 
 

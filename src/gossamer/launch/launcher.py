@@ -253,5 +253,6 @@ def _print_traffic(report: dict[str, Any], output: Output) -> None:
     for r in report["ranks"]:
         lines.append(f"  rank {r['rank']} ({r['address']}, {r['link']['describe']}): sent "
                      f"{format_bytes(r['tx_bytes'])} in {r['tx_packets']} frames, received "
-                     f"{format_bytes(r['rx_bytes'])}")
+                     f"{format_bytes(r['rx_bytes'])}, {r['tcp_retransmitted']} TCP segments "
+                     "sent again")
     output.write(output.out, "\n".join(lines))

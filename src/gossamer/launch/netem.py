@@ -470,11 +470,16 @@ class Network:
 
     def counters(self, rank: int) -> dict[str, int]:
         """The kernel's counters of rank's interface: tx/rx bytes and packets (frames, with
-        their Ethernet, IP and TCP headers)."""
+        their Ethernet, IP and TCP headers); and the TCP segments that rank's namespace sent
+        again (``tcp_retransmitted``: after a frame was dropped, or a timeout)."""
         names = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets")
         base = f"/sys/class/net/{self.interface(rank)}/statistics"
-        result = _run([*self.exec_prefix(rank), "cat", *(f"{base}/{n}" for n in names)])
-        return dict(zip(names, map(int, result.stdout.split()), strict=True))
+        result = _run([*self.exec_prefix(rank), "cat", *(f"{base}/{n}" for n in names),
+                       "/proc/net/snmp"])
+        lines = result.stdout.splitlines()
+        found = dict(zip(names, map(int, lines[:len(names)]), strict=True))
+        found["tcp_retransmitted"] = snmp_counter(lines[len(names):], "Tcp", "RetransSegs")
+        return found
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -561,6 +566,17 @@ class Network:
         folder = NETNS_ETC / namespace
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "hosts").write_text(hosts.rstrip("\n") + "\n# gossamer launch\n" + names)
+
+
+def snmp_counter(lines: list[str], group: str, name: str) -> int:
+    """One counter of ``/proc/net/snmp``'s lines: each group is a line of names
+    (``Tcp: RtoAlgorithm ... RetransSegs ...``) followed by a line of their values."""
+    for head, values in zip(lines, lines[1:], strict=False):  # each line and the next
+        if head.startswith(f"{group}:") and values.startswith(f"{group}:"):
+            keys, numbers = head.split()[1:], values.split()[1:]
+            if name in keys:
+                return int(numbers[keys.index(name)])
+    raise NetworkSetupError(f"/proc/net/snmp has no {group} counter {name!r}")
 
 
 @contextmanager
