@@ -141,6 +141,35 @@ def test_distribute_rejects_bad_arguments():
         gossamer.distribute(model, opt, "nope")
 
 
+def test_a_cpu_model_goes_over_gloo_and_is_refused_by_an_nccl_communicator(monkeypatch):
+    from gossamer.comm import TorchCommunicator
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class NcclComm:  # what distribute reads of a communicator before it uses it
+        backend, rank, world_size = "nccl", 0, 2
+
+    with pytest.raises(ValueError, match=r"model: its tensors are on cpu.*NCCL"):
+        gossamer.distribute(model, opt, "allreduce", NcclComm())
+    # no communicator given: gloo for a CPU model, also where CUDA is available
+    asked = {}
+
+    def from_env(**kwargs):
+        asked.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(TorchCommunicator, "from_env", staticmethod(from_env))
+    with pytest.raises(RuntimeError, match="stop here"):
+        gossamer.distribute(model, opt, "allreduce")
+    assert asked == {"backend": "gloo"}
+    meta = nn.Linear(2, 2, device="meta")
+    with pytest.raises(RuntimeError, match="stop here"):
+        gossamer.distribute(meta, torch.optim.SGD(meta.parameters(), lr=0.1), "allreduce")
+    assert asked == {"backend": None}  # the default: NCCL where CUDA is available
+
+
 def test_state_dict_round_trip():
     def worker(comm):
         model = _model()

@@ -228,6 +228,58 @@ def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.gloo
+def test_a_tensor_on_a_device_the_backend_does_not_carry_is_a_value_error(monkeypatch) -> None:
+    """torch's error for it ("No backend type associated with device type cpu", as NCCL
+    gives for a CPU tensor) is the caller's, not a failure of the group: a ValueError that
+    names the backend and the device, not a CommError."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    comm = TorchCommunicator.from_env(backend="gloo", timeout=30)
+    try:
+        assert comm.backend == "gloo"
+
+        def wrong_device():
+            raise RuntimeError("No backend type associated with device type cpu")
+
+        with pytest.raises(ValueError, match=r"all_reduce #1: the gloo backend carries no "
+                                             r"tensors on the cpu device"):
+            comm._run("all_reduce #1", wrong_device)
+
+        def gone():
+            raise RuntimeError("Connection closed by peer")
+
+        with pytest.raises(CommError):
+            comm._run("all_reduce #2", gone)
+    finally:
+        comm.close()
+
+
+@pytest.mark.gloo
+def test_gossamer_backend_chooses_from_envs_default(monkeypatch) -> None:
+    """GOSSAMER_BACKEND=gloo: gloo where CUDA would make NCCL the default; spawn_gloo sets
+    it for its children, so that multi-process tests run on gloo on a machine with GPUs."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("GOSSAMER_BACKEND", "gloo")
+    comm = TorchCommunicator.from_env(timeout=30)
+    try:
+        assert comm.backend == "gloo" and comm.device == torch.device("cpu")
+    finally:
+        comm.close()
+    monkeypatch.delenv("GOSSAMER_BACKEND")
+    assert spawn_gloo(_backend_of_a_child, 2, timeout=60) == [("gloo", "gloo")] * 2
+
+
+def _backend_of_a_child() -> tuple[str, str]:
+    comm = TorchCommunicator.from_env(timeout=30)
+    try:
+        return os.environ["GOSSAMER_BACKEND"], comm.backend
+    finally:
+        comm.close()
+
+
 _NEVER_CLOSED = """
 import atexit
 import torch

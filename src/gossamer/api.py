@@ -355,7 +355,9 @@ def distribute(
         algorithm: an :class:`~gossamer.algorithms.Algorithm` configuration, or a registered
             name (default ``"allreduce"``) built with default options.
         comm: the communicator; ``None`` (default) initialises torch.distributed from the
-            environment (torchrun, SLURM or Open MPI; a single process when none is set).
+            environment (torchrun, SLURM or Open MPI; a single process when none is set),
+            with gloo for a model on the CPU and NCCL for one on CUDA. A model on the CPU
+            with an NCCL communicator is a ValueError.
         broadcast: copy rank 0's parameters and buffers to every worker first, so that all
             replicas start equal (default True, as DDP does).
         nonfinite: what a NaN or infinite gradient or parameter does, found before it is sent:
@@ -389,10 +391,18 @@ def distribute(
         raise ValueError(f"algorithm must be an Algorithm or a name, got {algorithm!r}")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
+    devices = {t.device.type for t in model_tensors(model)}
     if comm is None:
         from gossamer.comm.torch_comm import TorchCommunicator
 
-        comm = TorchCommunicator.from_env()
+        # a model on the CPU goes over gloo, also where CUDA would make NCCL the default
+        comm = TorchCommunicator.from_env(backend="gloo" if devices == {"cpu"} else None)
+    if getattr(comm, "backend", None) == "nccl" and devices - {"cuda"}:
+        raise ValueError(
+            f"model: its tensors are on {', '.join(sorted(devices))}, and the communicator's "
+            "backend, NCCL, carries CUDA tensors only: move the model to the GPU "
+            "(model.cuda()), or pass a gloo communicator "
+            "(TorchCommunicator.from_env(backend='gloo'))")
     algorithm = algorithm.resolve(comm.world_size)  # validated, topology built: once
     if broadcast and comm.world_size > 1:
         broadcast_model(comm, model)

@@ -33,7 +33,7 @@ from multiprocessing import spawn as mp_spawn
 from pathlib import Path
 from typing import Any
 
-from gossamer.comm.environment import torchrun_variables, without_launcher
+from gossamer.comm.environment import BACKEND_VARIABLE, torchrun_variables, without_launcher
 from gossamer.launch.supervisor import Supervisor
 
 __all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo", "state_tensors"]
@@ -134,7 +134,9 @@ def spawn_gloo(
 
         # Each child is its own job: an outer launcher's variables (a torchrun agent's store)
         # must not be used.
-        env = {**without_launcher(), "OMP_NUM_THREADS": "1"}
+        # gloo also where CUDA would make NCCL from_env's default (a child that asks for
+        # NCCL by name still gets it)
+        env = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
         port = free_port()
         with Supervisor(grace=_GRACE, linger=_LINGER, is_failure=is_failure) as children:
             for rank in range(world_size):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "BACKEND_VARIABLE",
     "DEFAULT_MASTER_ADDR",
     "DEFAULT_MASTER_PORT",
     "LAUNCHER_VARIABLES",
@@ -48,6 +49,8 @@ __all__ = [
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"  # loopback: nothing is exposed beyond this machine by default
 DEFAULT_MASTER_PORT = 29500
+# TorchCommunicator.from_env's backend when none is given (e.g. gloo on a machine with CUDA)
+BACKEND_VARIABLE = "GOSSAMER_BACKEND"
 
 Source = Literal["torchrun", "slurm", "mpi", "single"]
 

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import ipaddress
 import os
+import re
 import select
 import socket
 import threading
@@ -43,7 +44,12 @@ from gossamer.comm.base import (
     default_timeout,
     tensor_nbytes,
 )
-from gossamer.comm.environment import LaunchEnv, expand_nodelist, launch_env_from
+from gossamer.comm.environment import (
+    BACKEND_VARIABLE,
+    LaunchEnv,
+    expand_nodelist,
+    launch_env_from,
+)
 from gossamer.comm.p2p_group import P2PGroup, check_headers, divide_, numel_of, shape_header
 
 __all__ = [
@@ -61,6 +67,8 @@ _CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to 
 _DEAD_AFTER = 3.0  # seconds without a heartbeat after which a peer counts as dead
 
 _OPEN: weakref.WeakSet[TorchCommunicator] = weakref.WeakSet()  # not closed yet
+# torch's error for a tensor on a device the group's backend does not carry
+_WRONG_DEVICE = re.compile(r"No backend type associated with device type (\w+)")
 _EXIT_REGISTERED = False
 
 
@@ -382,8 +390,9 @@ class TorchCommunicator:
     ) -> TorchCommunicator:
         """Initialise torch.distributed from the launcher's environment and wrap it.
 
-        See :func:`launch_env_from` for the launchers understood. The backend defaults to NCCL
-        when CUDA is available (the CUDA device is set to the local rank), gloo otherwise. Rank 0
+        See :func:`launch_env_from` for the launchers understood. The backend defaults to the
+        environment variable ``GOSSAMER_BACKEND`` if set, else NCCL when CUDA is available (the
+        CUDA device is set to the local rank), gloo otherwise. Rank 0
         hosts the TCPStore (the torchelastic agent does when ``TORCHELASTIC_USE_AGENT_STORE``
         is ``True``); it listens on MASTER_ADDR only, or on all interfaces with
         ``bind_all=True``. If the default group exists already, it is wrapped as it is.
@@ -401,7 +410,8 @@ class TorchCommunicator:
                 stacklevel=2,
             )
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = (os.environ.get(BACKEND_VARIABLE)
+                       or ("nccl" if torch.cuda.is_available() else "gloo"))
         if backend == "nccl":
             torch.cuda.set_device(env.local_rank)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -461,6 +471,11 @@ class TorchCommunicator:
     def timeout(self) -> float:
         """Seconds a blocking operation waits before it fails."""
         return self._timeout
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend, as torch names it (``"gloo"``, ``"nccl"``...)."""
+        return self._backend
 
     @property
     def device(self) -> torch.device:
@@ -658,6 +673,7 @@ class TorchCommunicator:
                 kept.append(buf)
                 works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
         except RuntimeError as exc:  # a peer gone when posting: gloo's "Connection closed"
+            self._check_device(label, exc)
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
         if self._counting:
             for peer, t in sends.items():
@@ -768,9 +784,23 @@ class TorchCommunicator:
         try:
             work = start()
         except RuntimeError as exc:  # (DistError, and gloo's own errors, as in _wait)
+            self._check_device(label, exc)
             raise self._failure(label, self._others(), exc, deadline) from exc
         if work is not None:
             self._wait(work, label, self._others(), deadline)
+
+    def _check_device(self, label: str, exc: RuntimeError) -> None:
+        """A ValueError if ``exc`` is torch's for a tensor on a device that the backend does
+        not carry: the caller's tensor, not a failure of the group (no peer to blame, nothing
+        a restart would mend)."""
+        wrong = _WRONG_DEVICE.search(str(exc))
+        if wrong:
+            raise ValueError(
+                f"{label}: the {self._backend} backend carries no tensors on the "
+                f"{wrong.group(1)} device (NCCL: CUDA tensors only). Move the tensors (the "
+                "model) to a device it carries, or create the communicator with another "
+                "backend, e.g. TorchCommunicator.from_env(backend='gloo') for CPU tensors"
+            ) from exc
 
     def _wait(self, work, label: str, peers: list[int], deadline: float,
               collective: bool = True, seq: int | None = None) -> None:
