@@ -356,8 +356,9 @@ def distribute(
             name (default ``"allreduce"``) built with default options.
         comm: the communicator; ``None`` (default) initialises torch.distributed from the
             environment (torchrun, SLURM or Open MPI; a single process when none is set),
-            with gloo for a model on the CPU and NCCL for one on CUDA. A model on the CPU
-            with an NCCL communicator is a ValueError.
+            on gloo for a model on the CPU and on ``from_env``'s default for one on a GPU
+            (``GOSSAMER_BACKEND`` if set, else NCCL). A model on the CPU with an NCCL
+            communicator is a ValueError.
         broadcast: copy rank 0's parameters and buffers to every worker first, so that all
             replicas start equal (default True, as DDP does).
         nonfinite: what a NaN or infinite gradient or parameter does, found before it is sent:

@@ -392,12 +392,12 @@ class TorchCommunicator:
 
         See :func:`launch_env_from` for the launchers understood. The backend defaults to the
         environment variable ``GOSSAMER_BACKEND`` if set, else NCCL when CUDA is available (the
-        CUDA device is set to the local rank), gloo otherwise. Rank 0
-        hosts the TCPStore (the torchelastic agent does when ``TORCHELASTIC_USE_AGENT_STORE``
-        is ``True``); it listens on MASTER_ADDR only, or on all interfaces with
-        ``bind_all=True``. If the default group exists already, it is wrapped as it is.
-        ``timeout`` (seconds each blocking operation and the rendezvous wait) defaults to the
-        backend's (:func:`gossamer.comm.default_timeout`: 300 s on gloo, 600 s on NCCL).
+        CUDA device is set to the local rank), gloo otherwise. Rank 0 hosts the TCPStore (the
+        torchelastic agent does when ``TORCHELASTIC_USE_AGENT_STORE`` is ``True``); it listens
+        on MASTER_ADDR only, or on all interfaces with ``bind_all=True``. If the default group
+        exists already, it is wrapped as it is. ``timeout`` (seconds each blocking operation
+        and the rendezvous wait) defaults to the backend's
+        (:func:`gossamer.comm.default_timeout`: 300 s on gloo, 600 s on NCCL).
         """
         if dist.is_initialized():
             return cls(timeout=timeout)
