@@ -673,7 +673,6 @@ class TorchCommunicator:
                 kept.append(buf)
                 works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
         except RuntimeError as exc:  # a peer gone when posting: gloo's "Connection closed"
-            self._check_device(label, exc)
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
         if self._counting:
             for peer, t in sends.items():
@@ -784,12 +783,11 @@ class TorchCommunicator:
         try:
             work = start()
         except RuntimeError as exc:  # (DistError, and gloo's own errors, as in _wait)
-            self._check_device(label, exc)
             raise self._failure(label, self._others(), exc, deadline) from exc
         if work is not None:
             self._wait(work, label, self._others(), deadline)
 
-    def _check_device(self, label: str, exc: RuntimeError) -> None:
+    def _check_device(self, label: str, exc: BaseException) -> None:
         """A ValueError if ``exc`` is torch's for a tensor on a device that the backend does
         not carry: the caller's tensor, not a failure of the group (no peer to blame, nothing
         a restart would mend)."""
@@ -819,6 +817,10 @@ class TorchCommunicator:
     def _failure(self, label: str, peers: list[int], exc: BaseException | None,
                  deadline: float, collective: bool = True, seq: int | None = None
                  ) -> CommError:
+        """The CommError for ``label``'s failure, the peers diagnosed; a ValueError raised
+        instead where ``exc`` is about the caller's tensor (see _check_device)."""
+        if exc is not None:
+            self._check_device(label, exc)
         text = _first_line(exc) if exc is not None else "no completion"
         timed_out = exc is None or "timed out" in text.lower()
         if not timed_out and time.perf_counter() >= deadline:
