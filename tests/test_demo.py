@@ -289,9 +289,9 @@ def test_a_trainable_parameter_outside_the_optimizer_is_refused_naming_it():
         with pytest.raises(ValueError, match=r"^optimizer: .*'1\.weight'.*requires_grad=False"):
             gossamer.distribute(model, inner, DeMo(), comm)
         model[1].requires_grad_(False)
-        frozen = [p.detach().clone() for p in model[1].parameters()]
         opt = gossamer.distribute(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
                                   DeMo(), comm)
+        frozen = [p.detach().clone() for p in model[1].parameters()]  # rank 0's, broadcast
         opt.zero_grad()
         model(torch.randn(2, 4)).sum().backward()
         opt.step()

@@ -206,6 +206,75 @@ def test_state_dict_loads_into_a_plain_optimizer_and_resumes_exactly():
         assert old_step == 3  # the form of earlier versions still loads
 
 
+def test_an_optimizer_without_the_models_parameters_is_refused():
+    """The optimizer must hold every trainable parameter of the model, by identity: one built
+    over another model (which would leave the model unchanged while the method sends its
+    parameters) and one that leaves a trainable parameter out are refused naming the argument,
+    before anything is sent; a frozen parameter may stay out, and the model then trains."""
+
+    def worker(comm):
+        model, other = _model(), _model()  # equal values, other tensors
+        with pytest.raises(ValueError, match="^optimizer: it holds none of the model's"):
+            gossamer.distribute(model, torch.optim.SGD(other.parameters(), lr=0.1),
+                                "allreduce", comm)
+        with pytest.raises(ValueError, match=r"^optimizer: the model's trainable parameters "
+                                             r"'2\.weight', '2\.bias' are in none"):
+            gossamer.distribute(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                "sgp", comm)
+        sent = comm.stats.total_bytes_sent
+        model[2].requires_grad_(False)  # frozen: it may stay out of the optimizer
+        frozen = [p.detach().clone() for p in model[2].parameters()]
+        first = model[0].weight.detach().clone()
+        optimizer = gossamer.distribute(
+            model, torch.optim.SGD(model[0].parameters(), lr=0.1), "allreduce", comm)
+        optimizer.zero_grad()
+        _loss(model, comm.rank).backward()
+        optimizer.step()
+        return (sent, all(torch.equal(p, q) for p, q in zip(model[2].parameters(), frozen,
+                                                              strict=True)),
+                torch.equal(model[0].weight, first))
+
+    for sent, frozen_kept, first_kept in SimWorld(2).run(worker):
+        assert sent == 0  # refused before the broadcast
+        assert frozen_kept and not first_kept
+
+
+def test_an_optimizer_distributed_already_is_refused():
+    """Wrapping what distribute() returned again would run the method twice a step (twice the
+    traffic): refused naming the argument, also inside a wrapper that keeps it as
+    ``.optimizer`` (as Accelerate's does). The optimizer it wraps may be distributed anew."""
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            self.param_groups = optimizer.param_groups
+
+    def one_step(optimizer, comm, model):
+        before = comm.stats.total_bytes_sent
+        optimizer.zero_grad()
+        _loss(model, comm.rank).backward()
+        optimizer.step()
+        return comm.stats.total_bytes_sent - before
+
+    def worker(comm):
+        model = _model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = gossamer.distribute(model, inner, "allreduce", comm)
+        first = one_step(optimizer, comm, model)
+        with pytest.raises(ValueError, match="^optimizer: already distributed"):
+            gossamer.distribute(model, optimizer, "allreduce", comm)
+        with pytest.raises(ValueError, match=r"^optimizer: already distributed \(inside a "
+                                             r"Wrapper\)"):
+            gossamer.distribute(model, Wrapper(optimizer), "allreduce", comm)
+        again = gossamer.distribute(model, inner, "allreduce", comm)
+        return first, one_step(again, comm, model)
+
+    params = sum(p.numel() for p in _model().parameters())
+    for first, again in SimWorld(2).run(worker):
+        assert first >= 4 * params  # the float32 gradients, all-reduced
+        assert again == first  # the method once a step, not twice
+
+
 def test_every_method_and_compressor_is_importable_from_gossamer():
     from gossamer.algorithms import lookup
 

@@ -351,7 +351,10 @@ def distribute(
 
     Args:
         model: the replica of this worker.
-        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
+        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters: every trainable
+            one (``requires_grad``) must be in its parameter groups (a frozen one may stay
+            out), and it must not be one that :func:`distribute` returned; either is a
+            ValueError.
         algorithm: an :class:`~gossamer.algorithms.Algorithm` configuration, or a registered
             name (default ``"allreduce"``) built with default options.
         comm: the communicator; ``None`` (default) initialises torch.distributed from the
@@ -386,6 +389,7 @@ def distribute(
         raise ValueError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    _check_optimizer(model, optimizer)
     if isinstance(algorithm, str):
         algorithm = create(algorithm)
     if not isinstance(algorithm, Algorithm):
@@ -411,6 +415,45 @@ def distribute(
     runtime.start(total_steps=total_steps, training_inputs=training_inputs, nonfinite=nonfinite)
     runtime.before_forward()
     return DistributedOptimizer(optimizer, runtime, scaler)
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that is distributed already (wrapping it again would run the method
+    twice a step, and send everything twice) or that leaves out a trainable parameter of
+    ``model`` (the method would send it while nothing updates it: built over another model,
+    the model would never change). Parameters are compared by identity; a frozen one
+    (``requires_grad=False``) may stay out, and the optimizer may hold others besides."""
+    inner: Any = optimizer
+    for _ in range(8):  # through wrappers that keep the optimizer they wrap as .optimizer
+        if isinstance(inner, DistributedOptimizer):
+            where = "" if inner is optimizer else f" (inside a {type(optimizer).__name__})"
+            raise ValueError(
+                f"optimizer: already distributed{where}, by an earlier distribute(): "
+                "distributing it again would run the method twice a step and send everything "
+                "twice; use that optimizer as it is, or pass the one it wraps "
+                "(its .optimizer) to distribute a new one")
+        inner = getattr(inner, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if not missing:
+        return
+    if len(missing) == len(trainable):
+        raise ValueError(
+            "optimizer: it holds none of the model's trainable parameters (built over another "
+            "model?): the model would never change while the method sends its parameters; "
+            "build it over model.parameters()")
+    names = ", ".join(repr(name) for name in missing[:3])
+    if len(missing) > 3:
+        names += f" and {len(missing) - 3} more"
+    which = "parameter" if len(missing) == 1 else "parameters"
+    verb = "is" if len(missing) == 1 else "are"
+    raise ValueError(
+        f"optimizer: the model's trainable {which} {names} {verb} in none of its parameter "
+        "groups: the method would send them while nothing updates them; build the optimizer "
+        "over every trainable parameter, or set requires_grad=False on those it does not train")
 
 
 @torch.no_grad()
