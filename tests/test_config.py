@@ -132,6 +132,27 @@ def test_simulator_settings_are_refused_on_real_processes():
         TrainConfig(sim=4, links=("0-1:5",))
 
 
+def test_a_straggler_is_written_as_gossamer_plan_takes_it():
+    """``--straggler RANK=FACTOR`` is the form that ``gossamer train`` and ``gossamer plan``
+    share; the older ``RANK:FACTOR`` still reads the same. A config holds (and config.yaml
+    writes) the shared form; an error quotes what was written."""
+    from gossamer.cli import build_parser
+    from gossamer.plan.cli import parse_stragglers
+    from gossamer.train.config import config_from_args
+
+    shared = TrainConfig(sim=8, stragglers=("3=4", "5=2.5"))
+    older = TrainConfig(sim=8, stragglers=("3:4", "5:2.5"))
+    assert shared.compute_model().stragglers == {3: 4.0, 5: 2.5}
+    assert shared.compute_model().stragglers == parse_stragglers(["3=4", "5=2.5"])
+    assert older == shared and older.stragglers == ("3=4", "5=2.5")
+    args = build_parser().parse_args(["train", "--sim", "8", "--straggler", "3=4"])
+    assert config_from_args(args).compute_model().stragglers == {3: 4.0}
+    with pytest.raises(ValueError, match=r"stragglers: '3-4' is not RANK=FACTOR \(e\.g\. 3=4"):
+        TrainConfig(sim=8, stragglers=("3-4",))
+    with pytest.raises(ValueError, match="stragglers '9=2': rank 9 does not exist"):
+        TrainConfig(sim=4, stragglers=("9=2",))
+
+
 def test_stragglers_and_links_reach_the_simulator():
     base = TrainConfig(sim=4, steps=10, eval_every=0, quiet=True, compute_time=0.01)
     plain = run_training(base)["wall_clock"]

@@ -112,7 +112,8 @@ class TrainConfig:
     links: tuple[str, ...] = option((), "simulator: repeatable SRC:DST:RATE[:LATENCY], one "
                                     "directed link's rate (and seconds per message)")
     compute_time: float = option(0.01, "simulator: seconds of compute per step")
-    stragglers: tuple[str, ...] = option((), "simulator: repeatable RANK:FACTOR, that worker's "
+    # RANK=FACTOR as gossamer plan takes it; RANK:FACTOR, the older form, is read as well
+    stragglers: tuple[str, ...] = option((), "simulator: repeatable RANK=FACTOR, that worker's "
                                          "steps take FACTOR times compute_time")
     jitter: float = option(0.0, "simulator: relative spread of step times (seeded)")
     timeout: float | None = option(None, "seconds to wait for a peer (virtual in sim); "
@@ -161,7 +162,9 @@ class TrainConfig:
             str(f) for f in check_faults(self.faults, world_size=self.sim or None,
                                          steps=self.steps)))
         self.network_model()  # checks links (and their ranks, when simulated)
-        self.compute_model()  # checks stragglers
+        self.compute_model()  # checks stragglers, as written
+        object.__setattr__(self, "stragglers", tuple(
+            _normal_straggler(spec) for spec in self.stragglers))
         for name in ("lr", "weight_decay", "min_lr", "gamma", "alpha", "latency",
                      "compute_time", "jitter"):
             if math.isinf(getattr(self, name)):
@@ -345,12 +348,29 @@ def _check_rank(what: str, rank: int, world_size: int) -> None:
                          + (f" (ranks 0 to {world_size - 1})" if world_size else ""))
 
 
+def _straggler_parts(spec: str) -> tuple[str, str]:
+    """``"3=4"`` (or the older ``"3:4"``) -> ``("3", "4")``."""
+    text = str(spec)
+    rank_text, sep, factor_text = text.partition("=")
+    if not sep:
+        rank_text, sep, factor_text = text.partition(":")
+    return rank_text.strip(), factor_text.strip()
+
+
+def _normal_straggler(spec: str) -> str:
+    """A straggler in the form ``gossamer plan`` shares, ``RANK=FACTOR``; one that is neither
+    form is kept as it is, for :func:`_parse_straggler` to refuse."""
+    rank_text, factor_text = _straggler_parts(spec)
+    return f"{rank_text}={factor_text}" if rank_text and factor_text else str(spec)
+
+
 def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
-    rank_text, sep, factor_text = str(spec).partition(":")
+    rank_text, factor_text = _straggler_parts(spec)
     try:
         rank, factor = int(rank_text), float(factor_text)
     except ValueError:
-        raise ValueError(f"stragglers: {spec!r} is not RANK:FACTOR (e.g. 3:4)") from None
+        raise ValueError(f"stragglers: {spec!r} is not RANK=FACTOR (e.g. 3=4; RANK:FACTOR is "
+                         "read as well)") from None
     _check_rank(f"stragglers {spec!r}", rank, world_size)
     if not factor > 0 or math.isinf(factor):
         raise ValueError(f"stragglers {spec!r}: the factor must be a finite number > 0")
@@ -409,7 +429,7 @@ _DEFAULTS.update({name: f.default if f.default is not dataclasses.MISSING else f
                   for name, f in _FIELDS.items()})
 _INIT_ONLY = ("options", "compressor")  # recipe keys and flags that resolve the algorithm
 _RECORD_ONLY = ("world_size",)  # written into a run directory's config.yaml for the record
-_REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggler", "RANK:FACTOR"),
+_REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggler", "RANK=FACTOR"),
              "loggers": ("--logger", "NAME"),
              "links": ("--link", "SRC:DST:RATE[:LATENCY]")}
 #: The flags of ``gossamer train --help``, by concern.
