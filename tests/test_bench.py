@@ -13,8 +13,8 @@ from gossamer.bench import markdown_table, mlp, sgd_step, timed_steps
 from gossamer.bench.harness import available, find_root
 from gossamer.cli import build_parser, main
 
-EXPECTED = {"accuracy", "allreduce_vs_ddp", "compress", "gossip", "gossipgrad", "local_sgd",
-            "network", "outer", "plan", "sim_overhead", "wagma"}
+EXPECTED = {"accuracy", "allreduce_vs_ddp", "compress", "decision", "gossip", "gossipgrad",
+            "local_sgd", "network", "outer", "plan", "sim_overhead", "wagma"}
 
 
 def _bench(argv: list[str]) -> int:
