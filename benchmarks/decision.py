@@ -1,7 +1,7 @@
 """The decision table: which method, on which network, how much faster, at what measured cost.
 
-    gossamer bench decision                       # the full table of BENCHMARKS.md
-    gossamer bench decision --models resnet50 --bandwidths 1gbit      # one row of it
+    gossamer bench decision --update-docs     # the table, written into BENCHMARKS.md
+    gossamer bench decision --models resnet50 --bandwidths 1gbit --workers 32   # one row
     gossamer bench decision --workers 8 --bandwidths 1gbit --methods allreduce osgp localsgd
 
 For each model class, link bandwidth and worker count, every method's time per step is
@@ -19,14 +19,15 @@ each method needs (docs/benchmarks/network.md, "Per-step speed-up against time t
 
 Compute per step (``--compute-time``; the planner's forward, backward and optimizer time):
 0.25 s for ResNet-50 (a batch of 256 images on one data-centre GPU of the V100 class in mixed
-precision, and the planner's default); 1.0 s for the 1B-parameter transformer (16,384 tokens a
+precision; the planner's default); 1.0 s for the 1B-parameter transformer (16,384 tokens a
 step, 6 x 1e9 x 16,384 = 9.8e13 floating-point operations, at about 100 TFLOP/s, 30-40% of an
 A100's bf16 peak). Links: 50 us of latency, one NIC per worker, the rate given.
 
 Writes ``decision.json`` (every prediction, the costs and each cell's recommendation; rewritten
 after every prediction, so that a stopped run keeps what it found and ``--reuse`` goes on from
 it) and ``decision.md`` (the summary tables of BENCHMARKS.md, the cost table, and the full
-tables of docs/benchmarks/decision.md).
+tables of docs/benchmarks/decision.md); with ``--update-docs`` it also rewrites those blocks
+of the two pages (between ``<!-- decision:NAME -->`` and ``<!-- /decision:NAME -->``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
+from benchmarks.common import ROOT
 from gossamer.bench import Results, markdown_table
 
 
@@ -63,11 +66,12 @@ SOURCES = {
                   "MNIST CNN, 8 workers, mean of 3 seeds"),
     "compress-cnn": ("compression.md#accuracy-mnist-cnn-8-simulated-workers",
                      "MNIST CNN, 8 workers, one seed"),
-    "gossipgrad": ("gossip.md#gossipgrad-mnist-cnn-8-and-16-simulated-workers",
+    "gossipgrad": ("gossip.md#mnist-cnn-8-and-16-simulated-workers",
                    "MNIST CNN, 8 workers, one seed"),
     "local-text": ("local-methods.md#character-transformer-validation-loss-mean-of-2-seeds-min-max",
                    "character transformer, 8 workers, 400 steps, mean of 2 seeds"),
-    "outer": ("local-methods.md#the-outer-optimizer-family-on-the-character-transformer",
+    "outer": ("local-methods.md"
+              "#the-outer-optimizer-family-on-the-character-transformer-8-simulated-workers",
               "character transformer, 8 workers, 400 steps, mean of 2 seeds"),
 }
 
@@ -164,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the predictions of an earlier decision.json of the same "
                         "settings, and time only the missing ones")
     parser.add_argument("--name", default="decision", help="results file stem")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="also rewrite the decision blocks of BENCHMARKS.md and "
+                        "docs/benchmarks/decision.md with the tables")
 
 
 def _compute_times(entries: list[str]) -> dict[str, float]:
@@ -292,9 +299,16 @@ def run(args: argparse.Namespace, results: Results) -> int:
                     save()
     save()
     results.wrote(path)
+    blocks = parts(predictions, args, compute, results.command)
     out = results.folder / f"{args.name}.md"
-    out.write_text("\n".join(markdown(predictions, args, compute)) + "\n")
+    out.write_text("\n".join(["# BENCHMARKS.md", "", *blocks["summary"],
+                              "# docs/benchmarks/decision.md: the costs", "", *blocks["costs"],
+                              "# docs/benchmarks/decision.md: every method", "",
+                              *blocks["full"]]))
     results.wrote(out)
+    if args.update_docs:
+        for path in update_docs(ROOT, blocks):
+            results.wrote(path)
     return 0
 
 
@@ -341,6 +355,13 @@ def _recommended_text(found: dict[str, float], proxy: str, args: argparse.Namesp
                      f" {unit})" for m, s in chosen)
 
 
+def _cost_cell(value: float | None, source: str | None, spec: str) -> str:
+    """A cost with a link to where it was measured (pages under docs/benchmarks/)."""
+    if value is None or source is None:
+        return "not measured"
+    return f"[{value:{spec}}]({SOURCES[source][0]})"
+
+
 def _cost_text(method: Method, proxy: str, args: argparse.Namespace) -> str:
     """The cost as the full tables write it: its value, and whether it is within bounds."""
     c = cost(method, proxy)
@@ -350,19 +371,21 @@ def _cost_text(method: Method, proxy: str, args: argparse.Namespace) -> str:
     return value if acceptable(method, proxy, args) else f"{value}, over the bound"
 
 
-def markdown(predictions: list[dict[str, Any]], args: argparse.Namespace,
-             compute: dict[str, float]) -> list[str]:
-    """The summary tables (BENCHMARKS.md), the cost table and the full tables
-    (docs/benchmarks/decision.md)."""
+def parts(predictions: list[dict[str, Any]], args: argparse.Namespace,
+          compute: dict[str, float], command: str) -> dict[str, list[str]]:
+    """The markdown blocks: ``summary`` (BENCHMARKS.md's decision table), ``costs`` and
+    ``full`` (docs/benchmarks/decision.md: the measured costs, every method's speed-up)."""
     found = speed_ups(predictions)
     base = {(r["model"], r["bandwidth"], r["workers"]): r for r in predictions
             if r["entry"] == "allreduce" and "step_time" in r}
-    lines = ["<!-- summary: BENCHMARKS.md -->", ""]
+    summary = [f"Made by `{command}`: a cost within {args.max_accuracy_drop:g} points (CNN) or "
+               f"{args.max_loss_rise:g} nats (transformer), at least {args.min_speed_up:g}x "
+               f"faster per step, at most {args.top} methods.", ""]
     for model in args.models:
         m = MODELS[model]
-        lines += [f"**{m.title}**, {compute[model]:g} s of compute per step; cost: "
-                  + ("MNIST CNN accuracy, points" if m.proxy == "cnn" else
-                     "character transformer validation loss, nats"), ""]
+        summary += [f"**{m.title}**, {compute[model]:g} s of compute per step; cost: "
+                    + ("MNIST CNN accuracy, points" if m.proxy == "cnn" else
+                       "character transformer validation loss, nats"), ""]
         rows = []
         for bandwidth in args.bandwidths:
             for n in args.workers:
@@ -375,21 +398,21 @@ def markdown(predictions: list[dict[str, Any]], args: argparse.Namespace,
                              _recommended_text(found[cell], m.proxy, args),
                              f"`gossamer bench decision --models {model} --bandwidths "
                              f"{bandwidth} --workers {n}`"])
-        lines += markdown_table(["link", "workers", "AllReduce s / step (idle)",
-                                 "recommended: speed-up per step (cost)", "reproduce"],
-                                rows) + [""]
-    lines += ["<!-- costs -->", ""]
+        summary += markdown_table(["link", "workers", "AllReduce s / step (idle)",
+                                   "recommended: speed-up per step (cost)", "reproduce"],
+                                  rows) + [""]
     rows = []
     for method in METHODS:
-        rows.append([method.label, "-" if method.cnn is None else f"{method.cnn:+.2f}",
-                     "-" if method.text is None else f"{method.text:+.3f}", f"`{method.use}`"])
-    lines += markdown_table(["method", "MNIST CNN, points", "char. transformer, nats",
-                             "setting measured"], rows) + [""]
-    lines += ["<!-- full tables: docs/benchmarks/decision.md -->", ""]
+        rows.append([method.label, _cost_cell(method.cnn, method.cnn_source, "+.2f"),
+                     _cost_cell(method.text, method.text_source, "+.3f"), f"`{method.use}`",
+                     method.note])
+    costs = markdown_table(["method", "MNIST CNN, points", "character transformer, nats",
+                            "setting measured", "note"], rows) + [""]
+    full = [f"Made by `{command}`. Each cell: the speed-up per step over AllReduce "
+            "(the predicted seconds per step).", ""]
     for model in args.models:
         m = MODELS[model]
         for bandwidth in args.bandwidths:
-            lines += [f"### {m.title}, {_gbit(bandwidth)}", ""]
             by_entry = {(r["workers"], r["entry"]): r for r in predictions
                         if r["model"] == model and r["bandwidth"] == bandwidth}
             rows = []
@@ -407,9 +430,35 @@ def markdown(predictions: list[dict[str, Any]], args: argparse.Namespace,
                                       f"({r['step_time']:.3g} s)")
                 if any(cells_):
                     rows.append([method.label, _cost_text(method, m.proxy, args), *cells_])
-            lines += markdown_table(["method", "cost", *(f"{n:,} workers"
-                                                         for n in args.workers)], rows) + [""]
+            if rows:
+                full += [f"### {m.title}, {_gbit(bandwidth)}", ""]
+                full += markdown_table(["method", "cost", *(f"{n:,} workers"
+                                                            for n in args.workers)], rows)
+                full += [""]
     errors = sorted({f"{r['entry']}: {r['error']}" for r in predictions if "error" in r})
     if errors:
-        lines += ["Left out:", "", *(f"- {e}" for e in errors), ""]
-    return lines
+        full += ["Left out:", "", *(f"- {e}" for e in errors), ""]
+    return {"summary": summary, "costs": costs, "full": full}
+
+
+#: the pages whose blocks ``--update-docs`` rewrites, and the blocks of each
+PAGES = {"BENCHMARKS.md": ["summary"], "docs/benchmarks/decision.md": ["costs", "full"]}
+
+
+def update_docs(root: Path, blocks: dict[str, list[str]]) -> list[Path]:
+    """Rewrite each block between ``<!-- decision:NAME -->`` and ``<!-- /decision:NAME -->``
+    of :data:`PAGES` under ``root``; the pages written. ValueError naming a missing block."""
+    written = []
+    for page, names in PAGES.items():
+        path = root / page
+        text = path.read_text()
+        for name in names:
+            begin, end = f"<!-- decision:{name} -->", f"<!-- /decision:{name} -->"
+            i, j = text.find(begin), text.find(end)
+            if i < 0 or j < i:
+                raise ValueError(f"{page} has no {begin} ... {end} block to update")
+            body = "\n".join(blocks[name]).strip()
+            text = text[:i + len(begin)] + "\n\n" + body + "\n\n" + text[j:]
+        path.write_text(text)
+        written.append(path)
+    return written
