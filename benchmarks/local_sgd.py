@@ -203,7 +203,8 @@ def run(args: argparse.Namespace, results: Results) -> int:
 
 
 def print_table(rows: list[dict], names: list[str], metric: str) -> None:
-    """The markdown table of BENCHMARKS.md: the mean over seeds, and min-max with several."""
+    """The markdown table of docs/benchmarks/local-methods.md: the mean over seeds, and
+    min-max with several."""
     label = "eval accuracy" if metric == "eval_accuracy" else "validation loss"
     cells = []
     for name in names:

@@ -168,7 +168,7 @@ def _plot_accuracy(e: dict[str, Any], settings, path: Path) -> Path:
 
 def markdown(parts: dict[str, Any], settings, command: str, seconds: float,
              machine: str) -> str:
-    """The draft of the BENCHMARKS.md sections (a)-(e)."""
+    """The draft of docs/benchmarks/network.md's sections (a)-(e)."""
     s = settings
     lines = [
         "## On an emulated network: collectives, one step of each algorithm, the simulator, "

@@ -174,7 +174,7 @@ def finished_run(run_dir) -> bool:
 
 
 def print_table(rows: list[dict]) -> None:
-    """The table of BENCHMARKS.md: one row per method, seeds side by side."""
+    """The table of docs/benchmarks/local-methods.md: one row per method, seeds side by side."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     seeds = sorted({r["seed"] for r in rows})
     cells = []

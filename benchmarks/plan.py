@@ -148,8 +148,9 @@ def predict_measured(measured: dict[str, Any], network, warmup: int, steps: int
 
 
 def print_table(rows: dict[str, dict[str, Any]], target: float = 0.15) -> None:
-    """BENCHMARKS.md's table of an emulated part: each algorithm's measured and predicted
-    time per step, speed-up and bytes, and whether the prediction is within ``target``."""
+    """docs/benchmarks/planner.md's table of an emulated part: each algorithm's measured and
+    predicted time per step, speed-up and bytes, and whether the prediction is within
+    ``target``."""
     from gossamer.bench import markdown_table
 
     cells = [[label, f"{r['measured'] * 1e3:.1f}", f"{r['predicted'] * 1e3:.1f}",

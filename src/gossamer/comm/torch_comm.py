@@ -658,7 +658,7 @@ class TorchCommunicator:
         try:
             # Receives first: gloo then writes an arriving message straight into the posted
             # buffer. Sends posted first make a pair that swaps messages take twice the wire
-            # time on a shaped link (measured: BENCHMARKS.md, "emulated network", part a).
+            # time on a shaped link (measured: docs/benchmarks/network.md, part a).
             for peer in recv_from:
                 assert like is not None  # check_exchange guarantees it
                 buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
