@@ -258,10 +258,76 @@ def test_tensorboard_logger_writes_events_or_says_how_to_install(tmp_path):
         assert len(events) == 1 and events[0].stat().st_size > 0
 
 
-def test_sixteen_runs_get_sixteen_colours_and_a_diverged_loss_a_log_axis():
-    from gossamer.train.report import _colour, loss_scale
+def _overlap(a, b) -> bool:
+    """Whether two display boxes share more than a pixel's width."""
+    return (min(a.x1, b.x1) - max(a.x0, b.x0) > 1) and (min(a.y1, b.y1) - max(a.y0, b.y0) > 1)
 
-    assert len({str(_colour(i, 16)) for i in range(16)}) == 16
-    assert [_colour(i, 3) for i in range(3)] == ["C0", "C1", "C2"]  # the defaults up to 10
-    assert loss_scale([2.3, 0.5, 0.1]) == "linear"
+
+def _drawn_figures(monkeypatch) -> list:
+    """The figures that gossamer saves from now on, kept for inspection."""
+    import gossamer.bench.report as style
+
+    figures, save = [], style.save_figure
+    monkeypatch.setattr(style, "save_figure",
+                        lambda fig, path: figures.append(fig) or save(fig, path))
+    return figures
+
+
+def test_sixteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_path,
+                                                                        monkeypatch):
+    """compare's 16 default methods: 16 styles, a method's the same in every figure, the
+    legend beside the axes, a log loss axis, and a byte axis spanning less than a decade
+    labelled with plain numbers that do not overlap."""
+    from gossamer.train.compare import default_algorithms
+    from gossamer.train.report import loss_scale, plot_metric
+
+    figures = _drawn_figures(monkeypatch)
+    names = default_algorithms().split(",")
+    assert len(names) == 16
+    runs = [load_metrics(write_run(tmp_path / name, name, bytes_per_step=1e4 * (1 + 0.02 * i)))
+            for i, name in enumerate(names)]
+    plot_metric(runs, "loss", "bytes", tmp_path / "loss.png", train=False)  # 10 to 40 steps
+    plot_metric(runs[::-1][:5], "loss", "bytes", tmp_path / "five.png")
+    fig, five = figures
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()
+             if not line.get_label().startswith("_")}
+    assert sorted(lines) == sorted(names)
+    looks = {name: (line.get_color(), line.get_marker(), line.get_linestyle())
+             for name, line in lines.items()}
+    assert len(set(looks.values())) == 16
+    colour = {name: look[0] for name, look in looks.items()}
+    assert len({colour["sgp"], colour["osgp"], colour["sparta"]}) == 3
+    assert colour["qsgd"] != colour["wagma"]
+    again = {line.get_label(): (line.get_color(), line.get_marker(), line.get_linestyle())
+             for line in five.axes[0].get_lines() if not line.get_label().startswith("_")}
+    assert all(again[name] == looks[name] for name in again)  # the same in every figure
+
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0] if fig.legends else ax.get_legend()
+    assert not _overlap(legend.get_window_extent(renderer), ax.get_window_extent(renderer))
+    assert ax.get_yscale() == "linear"  # losses from 1.4 to 0.6: a factor under 10
+    assert ax.get_xscale() == "log"
+    low, high = ax.get_xlim()
+    assert high / low < 10  # less than a decade of bytes
+    shown = [t for t in ax.get_xticklabels()
+             if t.get_text() and low <= t.get_position()[0] <= high]
+    assert len(shown) >= 2
+    assert all("e" not in t.get_text() for t in shown)  # 0.4, not 4e-01
+    boxes = [t.get_window_extent(renderer) for t in shown]
+    assert not any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+
+    # a diverged run: a log axis whose top leaves it, so the others keep their room
+    diverged = write_run(tmp_path / "diverged", "sgp:lr=9")
+    records = [json.loads(line) for line in (diverged / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "eval_loss" in record:
+            record["eval_loss"] = 10.0 ** record["step"]
+    (diverged / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_metric([*runs, load_metrics(diverged)], "loss", "steps", tmp_path / "diverged.png")
+    ax = figures[-1].axes[0]
+    assert ax.get_yscale() == "log" and ax.get_ylim()[1] < 1e3
+
+    assert loss_scale([2.3, 0.5, 0.1]) == "log"  # 16 curves would pile up near 0
+    assert loss_scale([2.3, 1.1, 0.5]) == "linear"
     assert loss_scale([2.3, 0.1, 1e13, float("nan")]) == "log"

@@ -32,8 +32,8 @@ CONFIG_FILE = "config.yaml"
 REPORT_FILE = "report.md"
 DEFAULT_OUT = "gossamer-plots"  # `gossamer plot` output for several runs, relative to the cwd
 
-_FIGSIZE = (6.4, 4.2)  # inches: fits a Markdown page at 100 % without scaling text down
-_DPI = 120
+# inches, the legend beside the axes included: fits a Markdown page without scaling text down
+_FIGSIZE = (8.0, 4.2)
 _BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")  # powers of 1000, as `gossamer train` prints them
 
 # (file name part, x field of the records)
@@ -70,8 +70,10 @@ class RunMetrics:
 
     @property
     def workers(self) -> int | None:
-        """The number of workers, from the summary or else from the config's ``sim``."""
-        for value in (self.final.get("world_size"), self.config.get("sim")):
+        """The number of workers, from the summary or else from the config's ``world_size``
+        (a run directory's config.yaml records it) or ``sim``."""
+        for value in (self.final.get("world_size"), self.config.get("world_size"),
+                      self.config.get("sim")):
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
         return None
@@ -213,27 +215,55 @@ def _has_accuracy(run: RunMetrics) -> bool:
 
 
 def plot_runs(runs: Sequence[RunMetrics], out_dir: str | Path) -> list[Path]:
-    """Write loss (and, when recorded, accuracy) against steps, wall-clock and bytes sent.
-
-    One colour per run; on loss plots the eval loss of the averaged model is solid and the train
-    loss dashed. Bytes are on a log axis, since compressed and uncompressed runs differ by
-    orders of magnitude.
+    """Write loss (and, when recorded, accuracy) against steps, wall-clock and bytes sent:
+    :func:`plot_metric` for each.
 
     Returns:
         The PNG files written to ``out_dir`` (created if needed).
     """
     if not runs:
         raise ValueError("runs must not be empty")
-    # Imported here so that reading metrics and the CLI do not pay for matplotlib.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import LogFormatter
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    metrics = ["loss"]
+    if any(_has_accuracy(run) for run in runs):
+        metrics.append("accuracy")
+    return [plot_metric(runs, metric, stem, out_dir / f"{metric}_vs_{stem}.png")
+            for metric in metrics for stem, _ in _AXES]
+
+
+def plot_metric(runs: Sequence[RunMetrics], metric: str, against: str, path: str | Path,
+                title: str | None = None, train: bool = True) -> Path:
+    """Draw ``metric`` (``"loss"`` or ``"accuracy"``) of each run against ``against``
+    (``"steps"``, ``"wall_clock"`` or ``"bytes"``) to the PNG ``path``; return it.
+
+    In gossamer's figure style (:mod:`gossamer.bench.report`): each run in its method's
+    colour, marker and line style, the legend beside the data. On a loss plot the eval loss of
+    the averaged model is the full line with markers and, with ``train``, the train loss a thin
+    faint line in the same style; the loss axis is log where the losses span more than a
+    decade. Bytes are on a log axis, since compressed and uncompressed runs differ by orders
+    of magnitude. ``title`` replaces the one made from the metric and the task.
+    """
+    # Imported here so that reading metrics and the CLI do not pay for matplotlib.
+    from matplotlib.lines import Line2D
+
+    from gossamer.bench.report import (
+        legend_outside,
+        loss_axis,
+        new_figure,
+        readable_log_axis,
+        save_figure,
+        series_styles,
+    )
+
+    if not runs:
+        raise ValueError("runs must not be empty")
+    if metric not in ("loss", "accuracy"):
+        raise ValueError(f"metric must be 'loss' or 'accuracy', got {metric!r}")
+    x_key = dict(_AXES).get(against)
+    if x_key is None:
+        raise ValueError(f"against must be one of {', '.join(dict(_AXES))}, got {against!r}")
     labels = _labels(runs)
-    task = _task(runs)
     simulated = all(run.mode == "simulated" for run in runs)
     max_bytes = max(
         (b for run in runs for r in (*run.evals, *run.trains)
@@ -248,73 +278,56 @@ def plot_runs(runs: Sequence[RunMetrics], out_dir: str | Path) -> list[Path]:
     }
     x_titles = {"steps": "steps", "wall_clock": "wall-clock", "bytes": "bytes sent"}
 
-    metrics = ["loss"]
-    if any(_has_accuracy(run) for run in runs):
-        metrics.append("accuracy")
-
-    written = []
-    for metric in metrics:
-        for stem, x_key in _AXES:
-            fig = Figure(figsize=_FIGSIZE, dpi=_DPI)
-            FigureCanvasAgg(fig)
-            ax = fig.add_subplot()
-            log_x = stem == "bytes"
-            x_scale = 1 / byte_factor if log_x else 1.0
-            losses = []
-            for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
-                color = _colour(i, len(runs))
-                y_key = "eval_loss" if metric == "loss" else "eval_accuracy"
-                y_scale = 100.0 if metric == "accuracy" else 1.0
-                xs, ys = _series(run.evals, x_key, y_key, positive_x=log_x)
-                ax.plot([x * x_scale for x in xs], [y * y_scale for y in ys], color=color,
-                        marker="o", markersize=3, linewidth=1.6, label=label)
-                losses += ys
-                if metric == "loss":
-                    # train records are denser; older runs only have train_loss on evals
-                    xs, ys = _series(run.trains or run.evals, x_key, "train_loss",
-                                     positive_x=log_x)
-                    ax.plot([x * x_scale for x in xs], ys, color=color, linestyle="--",
-                            linewidth=1.1, alpha=0.8)
-            if metric == "loss":
-                ax.set_yscale(loss_scale(losses))
-            if log_x:
-                ax.set_xscale("log")
-                # "0.1 1 10" reads faster than "10^-1 10^0 10^1" next to a unit
-                ax.xaxis.set_major_formatter(LogFormatter())
-                ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
-            ax.set_xlabel(x_labels[stem])
-            ax.set_ylabel("loss" if metric == "loss" else "eval accuracy (%)")
-            what = "loss" if metric == "loss" else "accuracy of the averaged model"
-            ax.set_title(f"{what} vs {x_titles[stem]}" + (f" — {task}" if task else ""))
-            ax.grid(True, alpha=0.3)
-            handles, names = ax.get_legend_handles_labels()
-            if metric == "loss":
-                # line styles are shared by all runs: explain them once, in grey
-                handles += [Line2D([], [], color="0.4", linewidth=1.6),
-                            Line2D([], [], color="0.4", linewidth=1.1, linestyle="--")]
-                names += ["eval (averaged model)", "train"]
-            ax.legend(handles, names, fontsize="small", framealpha=0.9)
-            fig.tight_layout()
-            path = out_dir / f"{metric}_vs_{stem}.png"
-            fig.savefig(path)
-            written.append(path)
-    return written
+    fig = new_figure(*_FIGSIZE, layout="constrained")
+    ax = fig.add_subplot()
+    log_x = against == "bytes"
+    x_scale = 1 / byte_factor if log_x else 1.0
+    y_key = "eval_loss" if metric == "loss" else "eval_accuracy"
+    y_scale = 100.0 if metric == "accuracy" else 1.0
+    train = train and metric == "loss"
+    values = []
+    for run, label, style in zip(runs, labels, series_styles(labels), strict=True):
+        xs, ys = _series(run.evals, x_key, y_key, positive_x=log_x)
+        ax.plot([x * x_scale for x in xs], [y * y_scale for y in ys], markersize=4,
+                linewidth=1.6, label=label, **style.kwargs())
+        values += ys
+        if train:
+            # train records are denser; older runs only have train_loss on evals
+            xs, ys = _series(run.trains or run.evals, x_key, "train_loss", positive_x=log_x)
+            ax.plot([x * x_scale for x in xs], ys, color=style.color,
+                    linestyle=style.linestyle, linewidth=0.9, alpha=0.45)
+            values += ys
+    if metric == "loss":
+        loss_axis(ax, values)
+    else:
+        ax.set_ylabel("eval accuracy (%)")
+    if log_x:
+        ax.set_xscale("log")
+        readable_log_axis(ax.xaxis)
+    ax.set_xlabel(x_labels[against])
+    if title is None:
+        task = _task(runs)
+        what = "loss" if metric == "loss" else "accuracy of the averaged model"
+        title = f"{what} vs {x_titles[against]}" + (f" — {task}" if task else "")
+    ax.set_title(title, fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    if train:
+        # how eval and train differ is shared by all runs: explained once, in grey
+        handles += [Line2D([], [], color="0.4", linewidth=1.6, marker="o", markersize=4),
+                    Line2D([], [], color="0.4", linewidth=0.9, alpha=0.45)]
+        names += ["eval (averaged model)", "train"]
+    legend_outside(fig, handles, names)
+    return save_figure(fig, path)
 
 
 def loss_scale(losses: Sequence[float]) -> str:
-    """``"log"`` when the losses span more than a factor of 100 (a diverged run would flatten
-    every other curve on a linear axis), else ``"linear"``."""
-    positive = [y for y in losses if y > 0 and math.isfinite(y)]
-    return "log" if positive and max(positive) > 100 * min(positive) else "linear"
+    """``"log"`` when the losses span more than a decade (16 curves from 2.3 down to 0.1
+    pile up near 0 on a linear axis; a diverged run would flatten every other curve), else
+    ``"linear"``: :func:`gossamer.bench.report.loss_scale`."""
+    from gossamer.bench.report import loss_scale as scale
 
-
-def _colour(i: int, n: int) -> Any:
-    """Run ``i``'s colour: matplotlib's ten defaults, or twenty distinct ones for more runs."""
-    if n <= 10:
-        return f"C{i}"
-    from matplotlib import colormaps
-
-    return colormaps["tab20"](i % 20)
+    return scale(losses)
 
 
 # ----------------------------------------------------------------------------- report
