@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -33,7 +34,11 @@ def test_train_command_prints_summary_and_writes_json(tmp_path, capsys):
 
 def test_progress_is_shown_unless_quiet(capsys):
     assert main(["train", "--sim", "2", "--steps", "10"]) == 0
-    assert "step 10/10" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "step 10/10" in printed.err
+    # the bar counts rank 0's bytes, the summary the mean over workers: each says which
+    assert re.search(r"step 10/10 .* rank 0 sent \d", printed.err)
+    assert re.search(r"^bytes sent per worker \(mean\) +\d", printed.out, re.M)
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
         ("eval accuracy", f"{100 * acc:.2f}%"),
         ("eval loss", f"{result.get('eval_loss', float('nan')):.4f}"),
         ("consensus distance", f"{_or_nan(final_consensus(result)):.3g}"),
-        ("bytes sent per worker", format_bytes(result.get("bytes_sent", 0.0))),
+        ("bytes sent per worker (mean)", format_bytes(result.get("bytes_sent", 0.0))),
         ("synchronizations", str(result.get("synchronizations", "-"))),
         *([("non-finite updates skipped", str(result["skipped_steps"]))]
           if result.get("skipped_steps") else []),

@@ -351,11 +351,13 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             continue
         if comm.rank == 0:
             acc = last.get("eval_accuracy", float("nan"))
-            progress.update(
-                done, loss=f"{step_loss:.3f}",
-                acc=f"{100 * acc:.1f}%" if acc == acc else "-",
-                sent=format_bytes(counters()[0]),
-            )
+            # this worker's bytes: the mean over workers (the summary's) would cost a
+            # collective a step
+            progress.update(done, **{
+                "loss": f"{step_loss:.3f}",
+                "acc": f"{100 * acc:.1f}%" if acc == acc else "-",
+                "rank 0 sent": format_bytes(counters()[0]),
+            })
 
     if membership is not None:
         membership.close()  # a worker still waiting to rejoin need not wait any longer
