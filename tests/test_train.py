@@ -324,6 +324,25 @@ def test_resume_refuses_other_settings_and_old_checkpoints_are_pruned(tmp_path):
     run_training(small(tmp_path, steps=40, checkpoint_every=10, resume=True, eval_every=20))
 
 
+
+def test_a_resumed_run_writes_its_own_settings_to_config_yaml(tmp_path):
+    """``--resume --steps 30`` after a run of 20: config.yaml holds the settings of the run
+    as it is now (steps 30, the new evaluation period), still a recipe that starts it anew
+    (resume false), and the run resumes from it again."""
+    run_training(small(tmp_path, steps=20, checkpoint_every=10))
+    resumed = small(tmp_path, steps=30, checkpoint_every=10, eval_every=15, resume=True)
+    assert run_training(resumed)["step"] == 30
+    import yaml
+
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["world_size"] == 2
+    written = load_recipe(tmp_path / "config.yaml")
+    assert written["steps"] == 30 and written["eval_every"] == 15
+    assert written["resume"] is False
+    # (the model as resolved from auto)
+    assert TrainConfig(**written) == resumed.replace(resume=False, model="mlp")
+    # the next resume checks its settings against these
+    assert run_training(small(tmp_path, steps=40, eval_every=15, resume=True))["step"] == 40
+
 @pytest.mark.slow
 def test_compare_default_set_learns_the_default_task():
     """Every method of compare's default set trains the default task to within 2 points of

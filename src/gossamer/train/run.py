@@ -113,8 +113,6 @@ def check_shards(config: TrainConfig, dataset: Dataset, world_size: int) -> None
 
 
 def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
-    import yaml
-
     run_dir = Path(config.run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,13 +126,23 @@ def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> No
                       "starts over and replaces them (pass --resume to continue it instead)",
                       stacklevel=3)
         pointer.unlink()
-    resolved = {**config.as_dict(), "model": resolve_model(config), "world_size": world_size}
-    ckpt.atomic_write_bytes(run_dir / "config.yaml",
-                            yaml.safe_dump(resolved, sort_keys=False).encode())
+    _write_config(config, world_size)
     shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
                        alpha=config.alpha, seed=config.seed)
     split = describe_partition(shards, dataset.y_train.numpy(), dataset.num_classes)
     ckpt.atomic_write_bytes(run_dir / "partition.json", json.dumps(split).encode())
+
+
+def _write_config(config: TrainConfig, world_size: int) -> None:
+    """Write run_dir's config.yaml: this run's settings, as a recipe that starts the same run
+    (``resume`` false). A resumed run writes it again, since the settings free to change on
+    resume (``steps`` raised, the evaluation's) are this run's now."""
+    import yaml
+
+    resolved = {**config.as_dict(), "resume": False, "model": resolve_model(config),
+                "world_size": world_size}
+    ckpt.atomic_write_bytes(Path(config.run_dir) / "config.yaml",
+                            yaml.safe_dump(resolved, sort_keys=False).encode())
 
 
 def elastic_restart(config: TrainConfig, environ: Mapping[str, str] | None = None) -> int:
@@ -314,8 +322,11 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
 
         algorithm = config.algorithm.resolve(config.sim)  # once, for every worker
         check_shards(config, dataset, config.sim)
-        if config.run_dir and not config.resume:
-            _write_run_dir(config, dataset, config.sim)
+        if config.run_dir:
+            if config.resume:
+                _write_config(config, config.sim)
+            else:
+                _write_run_dir(config, dataset, config.sim)
         world = SimWorld(
             config.sim,
             network=config.network_model(),
@@ -354,6 +365,10 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 if comm.rank == 0:
                     _write_run_dir(config, dataset, comm.world_size)
                 comm.barrier()
+            elif config.run_dir and comm.rank == 0 and membership_start(membership):
+                # resumed: every worker has checked its settings against the old config.yaml
+                # before the communicator's rendezvous, so none reads this one
+                _write_config(config, comm.world_size)
             result = train_worker(comm, config, dataset, algorithm=algorithm,
                                   membership=membership)
         finally:
