@@ -3,6 +3,9 @@
 ``gossamer bench`` (or ``--list``) lists them, one line each; ``gossamer bench NAME -h`` shows
 a benchmark's own arguments. Results go to ``benchmarks/results/`` and figures to
 ``benchmarks/figures/`` unless ``--results`` / ``--figures`` say otherwise (given before NAME).
+
+``gossamer bench report`` is built in (:mod:`gossamer.bench.doc_figures`): it regenerates the
+documentation's figures, each beside a page of its numbers (``gossamer bench report -h``).
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ from pathlib import Path
 from gossamer.bench.harness import available, find_root, load
 from gossamer.bench.results import Results
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["REPORT", "add_arguments", "run"]
+
+#: the built-in name of ``gossamer bench report`` (gossamer.bench.doc_figures)
+REPORT = "report"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` subcommand's arguments to ``parser``."""
     parser.add_argument("name", nargs="?", default=None,
-                        help="the benchmark (none: list them)")
+                        help=f"the benchmark (none: list them), or {REPORT}: regenerate the "
+                        "documentation's figures")
     parser.add_argument("args", nargs=argparse.REMAINDER,
                         help="the benchmark's own arguments (see gossamer bench NAME -h)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
@@ -34,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
     """List the benchmarks, or run ``args.name`` with ``args.args``; its exit code.
 
     An unknown name raises ValueError listing the known ones."""
+    if args.name == REPORT:
+        return _report(args)
     root = find_root()
     if args.list or args.name is None:
         known = available(root)
@@ -51,3 +60,16 @@ def run(args: argparse.Namespace) -> int:
                       figures=args.figures or root / "benchmarks" / "figures", command=command)
     results.folder.mkdir(parents=True, exist_ok=True)
     return module.run(options, results)
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``gossamer bench report ARGS``: the documentation's figures (a benchmark's
+    ``--results`` and ``--figures`` do not apply: it takes ``--runs`` and ``--out``)."""
+    from gossamer.bench import doc_figures
+
+    parser = argparse.ArgumentParser(
+        prog=f"gossamer bench {REPORT}", description=doc_figures.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    doc_figures.add_arguments(parser)
+    options = parser.parse_args(args.args)
+    return doc_figures.run(options, command=doc_figures.command_line(args.args))

@@ -393,7 +393,7 @@ def markdown_table(runs: Sequence[RunMetrics]) -> str:
     return "\n".join([line(headers), rule, *(line(row) for row in rows)]) + "\n"
 
 
-def _task_line(run: RunMetrics) -> str:
+def task_line(run: RunMetrics) -> str:
     """``"digits / mlp, 4 workers (simulated), 300 steps, seed 0"`` from one run."""
     config = run.config
     task = _task([run])
@@ -418,7 +418,7 @@ def write_report(runs: Sequence[RunMetrics], out_dir: str | Path,
     out_dir = Path(out_dir)
     plots = plot_runs(runs, out_dir)
     parts = [f"# {title}", ""]
-    task = _task_line(runs[0])
+    task = task_line(runs[0])
     if task:
         parts += [f"Task: {task}.", ""]
     parts += [markdown_table(runs)]
