@@ -160,6 +160,10 @@ def test_mnist_with_train_files(tmp_path):
 def test_mnist_missing_directory_and_files(tmp_path):
     with pytest.raises(ValueError, match="data directory .*absent.* does not exist"):
         load_mnist(tmp_path / "absent")
+    (tmp_path / "a-file").write_bytes(b"")
+    for load in (load_mnist, load_cifar10):  # a file where a directory is wanted: say so
+        with pytest.raises(ValueError, match="data directory .*a-file is not a directory"):
+            load(tmp_path / "a-file")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="t10k-images-idx3-ubyte"):
         load_mnist(tmp_path / "empty")

@@ -159,6 +159,9 @@ def _find(root: Path, stem: str) -> Path | None:
 
 def _check_dir(root: str | Path) -> Path:
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"data directory {root} is not a directory: give the directory "
+                         "that holds the data set's files")
     if not root.is_dir():
         raise ValueError(f"data directory {root} does not exist")
     return root
