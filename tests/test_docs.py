@@ -294,6 +294,90 @@ def test_every_resume_follows_a_run_that_writes_checkpoints():
     assert resumed >= 3
 
 
+# --- Documented defaults ----------------------------------------------------------------------
+#
+# A table with a "default" column under a heading that names a command (`gossamer train`, or
+# the page's title does) gives the default of each flag it lists; where that default is a
+# value (not words), it must be what the command's parser says (its --help's "(default: ...)",
+# else the argument's default).
+
+HEADING_COMMAND = re.compile(r"^#+ .*`gossamer (\w+)`")
+
+
+def _documented_defaults() -> list[tuple[str, str, str, str]]:
+    """``(where, command, flag, default shown)`` for every row of such a table."""
+    found = []
+    for path in FILES:
+        command, header, fence = None, None, False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            fence = fence != line.startswith("```")
+            heading = HEADING_COMMAND.match(line)
+            if fence or heading or line.startswith("#"):
+                command = heading[1] if heading else command
+                continue
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if header is None:
+                header = cells
+            elif command and header[1:2] == ["default"]:
+                flag = re.match(r"`(--[\w-]+)", cells[0])
+                if flag:
+                    found.append((f"{path.relative_to(ROOT)}:{number}", command, flag[1],
+                                  cells[1]))
+    return found
+
+
+def _parser_default(command: str, flag: str) -> str | None:
+    import argparse
+
+    from gossamer.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    action = next((a for a in commands[command]._actions if flag in a.option_strings), None)
+    if action is None:
+        return None
+    shown = re.search(r"\(default: (.*)\)$", action.help or "", re.S)
+    return " ".join(shown[1].split()) if shown else repr(action.default)
+
+
+def _same_default(documented: str, default: str) -> bool | None:
+    """Whether a page's default is the parser's; None where the page says it in words."""
+    from gossamer.comm.rate import parse_rate
+
+    literal = re.fullmatch(r"`([^`]*)`", documented)
+    text = literal[1] if literal else documented
+    default = default.strip("'\"")
+    if text == default:
+        return True
+    if not literal and " " in text:
+        return None  # words ("the backend's"), or several values
+    if text in ("none", "off"):
+        return default in ("()", "[]", "None", "False")
+    for read in (float, lambda t: parse_rate(t, arg="default")):
+        try:
+            return read(text) == float(default)
+        except ValueError:
+            pass
+    return False
+
+
+def test_the_documented_defaults_are_the_commands():
+    rows = _documented_defaults()
+    assert {command for _, command, _, _ in rows} >= {"train", "compare", "plot"}
+    checked = 0
+    for where, command, flag, documented in rows:
+        default = _parser_default(command, flag)
+        assert default is not None, f"{where}: gossamer {command} has no {flag}"
+        same = _same_default(documented, default)
+        assert same is not False, (f"{where}: {flag} defaults to {default} in gossamer "
+                                   f"{command}; the page says {documented}")
+        checked += same is True
+    assert checked >= 20
+
+
 def _matches(shown: str, lines: list[str]) -> bool:
     """Whether a line shown on a page is one of ``lines``: whitespace runs count as one space;
     ``...`` (or ``[...]``) stands for any text."""
