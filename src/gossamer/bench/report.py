@@ -206,9 +206,11 @@ def readable_log_axis(axis: Any) -> None:
 
     ax = axis.axes
     box = ax.get_position()
-    inches = (box.width * ax.figure.get_figwidth() if axis is ax.xaxis
-              else box.height * ax.figure.get_figheight())
-    room = max(2, int(inches / 0.6))  # labels that fit side by side
+    # labels that fit side by side: about 0.6 inch each along x, a line's height (0.3) along y
+    if axis is ax.xaxis:
+        room = max(2, int(box.width * ax.figure.get_figwidth() / 0.6))
+    else:
+        room = max(2, int(box.height * ax.figure.get_figheight() / 0.3))
     low, high = sorted(axis.get_view_interval())
     decades = math.log10(high / low) if low > 0 and high > 0 else math.inf
     if decades < 1:
