@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from gossamer.cli import main
+from gossamer.cli import main, summary_text
 from gossamer.train.loop import TrainConfig, run_training
 
 
@@ -18,6 +19,12 @@ def test_default_training_reaches_90_percent_on_digits():
     assert result["bytes_sent"] > 0
     assert result["wall_clock"] > 0
     assert result["synchronizations"] == TrainConfig().steps
+    # the same run as the README's first command (scripts/train: gossamer train, 4 simulated
+    # workers): the summary it shows is this run's
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = re.search(r"a summary like:\n\n```\n(.*?)```", readme, re.S)
+    assert shown, "README.md: the summary of scripts/train"
+    assert shown[1].split() == summary_text(result).split()
 
 
 def test_train_command_prints_summary_and_writes_json(tmp_path, capsys):

@@ -2,15 +2,20 @@
 
 A block that is a fragment (a loop to put around the reader's own model, a script to start
 under torchrun) says so on the line before it, ``<!-- fragment: why -->``; it must still be
-valid Python. Every other block runs in a fresh process, in an empty directory.
+valid Python. Every other block runs in a fresh process, in an empty directory, and prints what
+the page shows it printing: in comment lines right below a ``print(...)`` call (``# `` and the
+line; a number may be shown rounded), and in the console block right after it
+(``$ python NAME.py``).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,54 @@ def test_every_python_example_compiles(where, code, why):
     compile(code, where, "exec")
 
 
+def _shown_in_comments(code: str) -> list[str]:
+    """What a block shows it prints: the comment lines right below each ``print(...)`` call
+    (its last line), at the call's indentation, ``# `` and the printed line."""
+    lines = code.splitlines()
+    shown = []
+    for node in ast.walk(ast.parse(code)):
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name) and node.value.func.id == "print"):
+            comment = " " * node.col_offset + "# "
+            for line in lines[node.end_lineno:]:
+                if not line.startswith(comment):
+                    break
+                shown.append(line[len(comment):])
+    return shown
+
+
+NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def _rounded(shown: str, line: str) -> bool:
+    """Whether ``line`` is ``shown`` but for numbers that ``shown`` gives rounded: the same
+    text between the numbers, every integer the same, every other number within half a unit
+    of the last place shown (``0.0125`` for 0.012500000000000002)."""
+    shown, line = " ".join(shown.split()), " ".join(line.split())
+    if NUMBER.split(shown) != NUMBER.split(line):
+        return False
+    for a, b in zip(NUMBER.findall(shown), NUMBER.findall(line), strict=True):
+        if a == b:
+            continue
+        if "." not in a and "e" not in a:
+            return False
+        unit = 10.0 ** Decimal(a).as_tuple().exponent
+        if not abs(float(b) - float(a)) <= unit / 2 * (1 + 1e-9):
+            return False
+    return True
+
+
+def test_the_outputs_in_comments_are_read():
+    code = ("x = 1\nprint(x / 3)\n# 0.333\nprint('a',\n      x)\n# a 1\n# (and more)\n"
+            "for i in range(2):\n    print(i)  # prose\n    # 0\n    # 1\n# prose again\n")
+    assert _shown_in_comments(code) == ["0.333", "a 1", "(and more)", "0", "1"]
+    assert _rounded("lr 0.0125, 3 steps", "lr 0.012500000000000002, 3 steps")
+    assert _rounded("1.2e-05", "1.23e-05") and not _rounded("1.2e-05", "1.26e-05")
+    assert not _rounded("lr 0.0125, 3 steps", "lr 0.0125, 4 steps")
+    assert _rounded("0.013", "0.0126") and not _rounded("0.013", "0.0124")
+    assert not _rounded("lr 0.0125", "lr: 0.0125")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where, code", [(w, c) for w, c, why in BLOCKS if why is None],
                          ids=[w for w, _, why in BLOCKS if why is None])
@@ -52,6 +105,13 @@ def test_every_python_example_runs(where, code, tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, f"{where}:\n{done.stderr[-3000:]}"
+    printed = (done.stdout + done.stderr).splitlines()
+    missing = [x for x in _shown_in_comments(code)
+               if not any(_matches(x, [line]) or _rounded(x, line) for line in printed)]
+    # the console block right after it, run here rather than a second time
+    missing += [x for x in SCRIPT_OUTPUTS.get(code, []) if x.strip() and not _matches(x, printed)]
+    assert not missing, (f"{where}: not printed: {missing}\nprinted:\n"
+                         + "\n".join(printed[-40:]))
 
 
 # --- Shell examples ---------------------------------------------------------------------------
@@ -413,6 +473,22 @@ CHECKED = [(where, commands, script) for where, commands, why, script in CONSOLE
            if why is None]
 
 
+def _runs_script(command: Command, script: str | None) -> bool:
+    """Whether ``command`` is ``python NAME.py`` of a Python block that
+    test_every_python_example_runs runs: it checks the command's output from that run."""
+    return (command.argv is None and command.words[:1] == ["python"]
+            and len(command.words) == 2 and command.words[1].endswith(".py")
+            and any(script == code and why is None for _, code, why in BLOCKS))
+
+
+#: a Python block's code -> the lines that its console block shows it printing
+SCRIPT_OUTPUTS: dict[str, list[str]] = {}
+for _, _commands, _script in CHECKED:
+    for _command in _commands:
+        if _runs_script(_command, _script):
+            SCRIPT_OUTPUTS.setdefault(_script, []).extend(_command.output)
+
+
 def test_every_printed_output_is_checked_or_says_why_not():
     for where, commands, why, script in CONSOLES:
         if why is None:
@@ -433,6 +509,8 @@ def test_every_printed_output_is_what_the_command_prints(where, commands, script
         if command.key in REPORTED:
             assert not command.output, f"{command.where}: shows an output it does not print"
             continue
+        if _runs_script(command, script):
+            continue  # checked in test_every_python_example_runs, from its run of the script
         if command.argv is not None:
             argv = [sys.executable, "-m", "gossamer", *command.argv]
         else:

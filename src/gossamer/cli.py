@@ -72,6 +72,13 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
     ]
 
 
+def summary_text(result: dict) -> str:
+    """What ``gossamer train`` prints at the end of a run: its summary, one row a metric."""
+    rows = _summary_rows(result)
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def _membership(history: list[dict]) -> str:
     """``0,1,2,3; 0,1,3 from step 101``: the members (by their first rank) of each epoch."""
     epochs = [",".join(map(str, e["members"])) + (f" from step {e['step']}" if e["step"] else "")
@@ -99,9 +106,7 @@ def _train(args: argparse.Namespace) -> int:
               f"{result.get('step', config.steps)} of {config.steps}): nothing to train; its "
               "summary, kept in metrics.jsonl, is below (pass a larger --steps to train on)",
               file=sys.stderr)
-    rows = _summary_rows(result)
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    print(summary_text(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": config.as_dict(), "result": result}, f, indent=2)
