@@ -41,6 +41,7 @@ from gossamer.compress import (
     take_over_momentum,
     warmup_density,
 )
+from gossamer.compress.dgc import default_warmup_steps
 from gossamer.compress.payloads import pack_bytes, unpack_bytes
 from gossamer.compress.qsgd import CHUNK, DITHER_PERIOD, dither, pack_codes, unpack_codes
 
@@ -318,6 +319,69 @@ def test_dgc_warmup_density():
     assert 0.8 * 2500 <= compressor.compress(x, "w").indices.numel() <= 1.3 * 2500
     compressor.set_step(40)
     assert compressor.compress(x, "w").indices.numel() == 10
+
+
+def test_dgc_default_warmup_is_the_papers_schedule_over_the_first_quarter_of_the_run():
+    """By default (warmup_steps None) the paper's warm-up, sparsity 75%, 93.75%, 98.4375%,
+    99.6%, then 99.9%, is spread over the first quarter of the run, once its length is known:
+    400 steps warm up for 100, in 4 stages of 25 steps."""
+    compressor = DGCCompressor(ratio=0.001)
+    assert compressor.warmup_steps is None
+    compressor.set_total_steps(400)
+    assert compressor.warmup_length == default_warmup_steps(400) == 100
+    densities = [compressor.density(step) for step in (0, 24, 25, 49, 50, 74, 75, 99, 100, 399)]
+    paper = [0.25, 0.0625, 0.015625, 0.004]  # 1 - the paper's sparsities
+    assert densities[0:8:2] == pytest.approx(paper, rel=0.02)
+    assert densities[1:8:2] == densities[0:8:2]  # each stage holds for its 25 steps
+    assert densities[8:] == [0.001, 0.001]
+    # a short run warms up as much of it, a run of 1 step for its only step
+    assert default_warmup_steps(10) == 2 and default_warmup_steps(1) == 1
+    # the copy each worker uses knows the run's length too
+    assert compressor.for_worker(3).warmup_length == 100
+    # given, warmup_steps is kept whatever the run's length; 0 is none
+    explicit = DGCCompressor(ratio=0.001, warmup_steps=40)
+    explicit.set_total_steps(400)
+    assert explicit.warmup_length == 40 and explicit.density(40) == 0.001
+    none = DGCCompressor(ratio=0.001, warmup_steps=0)
+    none.set_total_steps(400)
+    assert none.density(0) == 0.001
+    with pytest.raises(ValueError, match="warmup_steps"):
+        DGCCompressor(warmup_steps=-1)
+
+
+def test_dgc_without_the_runs_length_sends_the_steady_state_density():
+    """Where the loop does not tell the run's length (the planner's few timed steps, the DDP
+    hooks, distribute() without total_steps) the default has no warm-up: the density is
+    ratio from the first step, as warmup_steps=0."""
+    compressor = DGCCompressor(ratio=0.001)
+    assert compressor.total_steps is None and compressor.warmup_length == 0
+    x = torch.randn(100, 100, generator=_gen())
+    assert compressor.density(0) == 0.001
+    assert compressor.compress(x, "w").indices.numel() == 10
+    compressor.set_total_steps(40)  # told: step 0 is the warm-up's 25%
+    assert 0.8 * 2500 <= compressor.compress(x, "w").indices.numel() <= 1.3 * 2500
+
+
+@pytest.mark.parametrize("total_steps", [None, 8])
+def test_dgc_learns_the_runs_length_from_distribute(total_steps):
+    """distribute(total_steps=N) reaches the compressor of DGC's runtime: its first step
+    sends the warm-up's 25% of the weight; without it, 0.1%."""
+    def worker(comm):
+        model = nn.Linear(100, 100, bias=False)
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                         momentum=0.9), DGC(), comm,
+                                  total_steps=total_steps)
+        model(torch.randn(4, 100, generator=_gen(comm.rank))).square().sum().backward()
+        opt.step()
+        compressor = opt.runtime.reducer.compressor
+        return compressor.total_steps, compressor.warmup_length, compressor.last_selection
+
+    for told, length, selection in SimWorld(2).run(worker):
+        assert told == total_steps
+        if total_steps is None:
+            assert length == 0 and selection.target == 10
+        else:
+            assert length == 2 and selection.target == 2500
 
 
 @pytest.mark.parametrize("nesterov,masking", [(False, True), (True, True), (False, False)])

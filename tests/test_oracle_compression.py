@@ -96,9 +96,9 @@ class Sgd:
 def run_library(algorithm, sgd: Sgd, steps: int, *, d_in: int = 12, d_out: int = 8,
                 rows: int = ROWS, dtype: torch.dtype = torch.float64, inspect=None,
                 schedule=None, schedule_first: bool = True, workers: int = WORKERS,
-                scale: float = 1.0):
+                scale: float = 1.0, total_steps: int | None = None):
     """``trajectory[k][w]``: worker w's parameters after step k + 1 in SimWorld (of
-    ``workers``, targets times ``scale``);
+    ``workers``, targets times ``scale``; ``total_steps``: what distribute is told);
     ``inspect(optimizer)`` runs after every step of every worker (its results are returned
     per worker). ``schedule(sgd)``: a learning-rate scheduler of the SGD, stepped after every
     step, built before ``gossamer.distribute`` (``schedule_first``) or after it."""
@@ -111,7 +111,8 @@ def run_library(algorithm, sgd: Sgd, steps: int, *, d_in: int = 12, d_out: int =
             model.bias.copy_(x0["bias"])
         built = sgd.build(model)
         scheduler = schedule(built) if schedule is not None and schedule_first else None
-        opt = gossamer.distribute(model, built, algorithm, comm, broadcast=False)
+        opt = gossamer.distribute(model, built, algorithm, comm, broadcast=False,
+                                  total_steps=total_steps)
         if schedule is not None and not schedule_first:
             scheduler = schedule(built)
         out, seen = [], []
@@ -220,6 +221,21 @@ def test_library_matches_oracle(case):
     exact = ef(oracle.dense(), sgd, False)
     assert max(float((want[-1][0][k] - X0[k]).abs().max()) for k in X0) > 0.1
     assert distance(want, exact) > 10 * ATOL
+
+
+def test_dgc_defaults_warm_up_as_the_oracle_over_the_first_quarter_of_the_run():
+    """DGC with its defaults, told the run's length (12 steps), follows the oracle with the
+    paper's warm-up fitted to the run (3 steps at densities 25%, 6.3%, 1.6%, then 0.1%); not
+    told it, the oracle without warm-up. The two differ: the warm-up is not a no-op here."""
+    sgd = Sgd(momentum=0.9)
+    told, _ = run_library(DGC(), sgd, STEPS, total_steps=STEPS)
+    fitted = dgc(sgd, ratio=0.001, warmup_steps=oracle.fitted_warmup_steps(STEPS))
+    assert oracle.fitted_warmup_steps(STEPS) == 3
+    assert distance(told, fitted) <= ATOL
+    untold, _ = run_library(DGC(), sgd, STEPS)
+    steady = dgc(sgd, ratio=0.001)
+    assert distance(untold, steady) <= ATOL
+    assert distance(fitted, steady) > 10 * ATOL
 
 
 @pytest.mark.parametrize("max_adaptations", [3, 0])

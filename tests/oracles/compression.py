@@ -339,6 +339,13 @@ def warmup_density(ratio: float, step: int, warmup_steps: int, stages: int) -> f
     return max(ratio, 0.25 * (ratio / 0.25) ** (stage / stages))
 
 
+def fitted_warmup_steps(total_steps: int) -> int:
+    """The warm-up's length when it is not given: the paper's 4 epochs of a 90-164 epoch run
+    do not fit a run of a few epochs, so the library spreads the same schedule over the run's
+    first quarter (rounded, at least one step)."""
+    return max(1, round(total_steps / 4))
+
+
 def dgc_threshold_select(magnitude: torch.Tensor, k: int, density: float, samples: int, *,
                          max_adaptations: int, generator: torch.Generator) -> torch.Tensor:
     """The library's threshold rule for a large tensor, written out (positions, flat).

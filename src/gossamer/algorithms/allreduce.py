@@ -230,6 +230,13 @@ class AllReduceRuntime(Runtime):
             self.flags, bucket_bytes, step=lambda: self.step, prepare=self._prepare,
             overlap=config.overlap)
 
+    def start(self, **kwargs: Any) -> None:
+        """As :meth:`Runtime.start`; the compressor learns the run's length too (DGC fits its
+        default density warm-up to it)."""
+        super().start(**kwargs)
+        if self.reducer is not None:
+            self.reducer.compressor.set_total_steps(self.total_steps)
+
     def check_gradients(self) -> None:
         """Nothing here: the workers agree on non-finite gradients in after_backward."""
         self.skip_update = False

@@ -13,10 +13,12 @@ memory=...)``.
 
 Example::
 
+    gossamer train --sim 4 --algorithm dgc      # warm-up: the first quarter of the run
     gossamer train --sim 4 --algorithm dgc --option ratio=0.001 --option warmup_steps=60
 
     optimizer = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                           momentum=0.9), DGC(ratio=0.001))
+                                                           momentum=0.9), DGC(ratio=0.001),
+                                    total_steps=1000)  # density warm-up: its first 250 steps
 """
 
 from __future__ import annotations
@@ -94,8 +96,10 @@ class DGC(CompressedAllReduce, DGCCompression):
     """Deep Gradient Compression (Lin et al., ICLR 2018): sparse, momentum-corrected gradients.
 
     Threshold sparsification of about ``ratio`` of each gradient, momentum correction, local
-    accumulation, momentum factor masking, optional local clipping and density warm-up; fp16
-    values and int32 positions, all-gathered. See :mod:`gossamer.compress.dgc`.
+    accumulation, momentum factor masking, optional local clipping and density warm-up (by
+    default the paper's schedule over the first quarter of the run, where the training loop
+    tells its length; none where it does not); fp16 values and int32 positions, all-gathered.
+    See :mod:`gossamer.compress.dgc`.
 
     The momentum, Nesterov and weight decay of a ``torch.optim.SGD`` are taken over when bound
     (momentum correction applies the momentum before sparsification); the optimizer then steps

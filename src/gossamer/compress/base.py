@@ -74,9 +74,12 @@ class Compressor(ABC):
     #: Collectives per step: round r > 0 is made by :meth:`next_round` from round r - 1's sum.
     rounds: ClassVar[int] = 1
 
-    # internal state: the current step (for seeds and warm-up) and the worker's index
+    # internal state: the current step (for seeds and warm-up), the run's length (where the
+    # training loop tells it: warm-up schedules fitted to the run) and the worker's index
     _step: list[int] = dataclasses.field(default_factory=lambda: [0], init=False, repr=False,
                                          compare=False)
+    _total_steps: list[int | None] = dataclasses.field(default_factory=lambda: [None],
+                                                       init=False, repr=False, compare=False)
     _worker: list[int] = dataclasses.field(default_factory=lambda: [0], init=False, repr=False,
                                            compare=False)
 
@@ -122,6 +125,7 @@ class Compressor(ABC):
         same random numbers, such as the members of a node, share an index)."""
         fresh = dataclasses.replace(self)
         fresh._worker[0] = index
+        fresh._total_steps[0] = self.total_steps  # the run's, not the worker's
         return fresh
 
     def set_step(self, step: int) -> None:
@@ -131,6 +135,15 @@ class Compressor(ABC):
     @property
     def step(self) -> int:
         return self._step[0]
+
+    def set_total_steps(self, total_steps: int | None) -> None:
+        """The run's length in optimizer steps, where the training loop knows it (None: not
+        known): DGC fits its default density warm-up to it."""
+        self._total_steps[0] = total_steps
+
+    @property
+    def total_steps(self) -> int | None:
+        return self._total_steps[0]
 
     def generator(self, key: str, device: torch.device, *, per_worker: bool = False
                   ) -> torch.Generator:

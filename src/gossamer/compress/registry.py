@@ -205,7 +205,7 @@ class DGCCompression(Compression):
 
     ratio: float = option_of(DGCCompressor, "ratio")
     sample_ratio: float = option_of(DGCCompressor, "sample_ratio")
-    warmup_steps: int = option_of(DGCCompressor, "warmup_steps")
+    warmup_steps: int | None = option_of(DGCCompressor, "warmup_steps")
     warmup_stages: int = option_of(DGCCompressor, "warmup_stages")
     momentum_masking: bool = option_of(DGCMemory, "masking")
     # the paper's global threshold (Section 3.2): node k clips its share g_k / n of the
