@@ -56,6 +56,12 @@ class Method:
     text: float | None  # character transformer validation loss minus AllReduce's, nats
     text_source: str | None  # key of SOURCES
     note: str = ""  # what the figures assume
+    #: False: shown, never recommended (its cost depends on the link, not only on the steps)
+    recommendable: bool = True
+    family: str = ""  # one recommended setting per family (default: the planner entry's name)
+
+    def kin(self) -> str:
+        return self.family or self.plan.split(":")[0]
 
 
 #: where each measured cost comes from (the page under docs/benchmarks/, its section)
@@ -84,7 +90,9 @@ METHODS = [
     Method("Overlap SGP", "osgp", "osgp", -0.15, "defaults", None, None),
     Method("D-PSGD", "dpsgd", "dpsgd", -0.10, "defaults", None, None),
     Method("AD-PSGD", "adpsgd", "adpsgd", -0.25, "defaults", None, None,
-           "a faster clock, slower mixing: its step is the slowest worker's"),
+           "never recommended: it never waits, so its step is the compute's, and the slower the "
+           "link the fewer averages it completes a step; its cost at equal steps was measured "
+           "where they were frequent", recommendable=False),
     Method("WAGMA", "wagma", "wagma", -0.15, "defaults", None, None),
     Method("local SGD H=2", "localsgd:period=2", "localsgd:period=2", +0.18, "local-cnn",
            +0.060, "local-text", "the transformer run: the old round rule"),
@@ -97,7 +105,8 @@ METHODS = [
     Method("QSR H_base=2", "qsr", "qsr (CNN); qsr:alpha=0.0045:warmup_steps=30 (transformer)",
            -0.35, "defaults", +0.080, "local-text",
            "timed at H=2: QSR's period grows as the learning rate decays, so its speed-up is "
-           "at least this; the transformer run: alpha 0.0045, the old round rule"),
+           "at least this; the transformer run: alpha 0.0045, the old round rule",
+           family="localsgd"),
     Method("DiLoCo", "diloco", "diloco (CNN); diloco:warmup_steps=30 (transformer)", -0.25,
            "defaults", +0.139, "outer",
            "the paper's outer step (lr 0.7, momentum 0.9); timed without the warm-up"),
@@ -210,14 +219,12 @@ def recommend(speed_ups: dict[str, float], proxy: str, args: argparse.Namespace
     """The fastest acceptable settings, one per method (its first name), at most ``--top``,
     each at least ``--min-speed-up`` faster than AllReduce; ``speed_ups`` by planner entry."""
     ranked = sorted(((m, speed_ups[m.plan]) for m in METHODS
-                     if m.plan in speed_ups and m.plan != "allreduce"
+                     if m.plan in speed_ups and m.plan != "allreduce" and m.recommendable
                      and acceptable(m, proxy, args)),
                     key=lambda pair: -pair[1])
     chosen: list[tuple[Method, float]] = []
     for method, speed_up in ranked:
-        family = method.plan.split(":")[0]
-        if speed_up < args.min_speed_up or any(c.plan.split(":")[0] == family
-                                               for c, _ in chosen):
+        if speed_up < args.min_speed_up or any(c.kin() == method.kin() for c, _ in chosen):
             continue
         chosen.append((method, speed_up))
         if len(chosen) == args.top:
@@ -292,7 +299,9 @@ def run(args: argparse.Namespace, results: Results) -> int:
                               f"({row['real_seconds']:.1f} s to simulate)", file=sys.stderr,
                               flush=True)
                     except Exception as error:  # one method that cannot run: left out, said
-                        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+                        lines = str(error).splitlines() or [""]
+                        said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+                        row["error"] = f"{type(error).__name__}: {said}"
                         print(f"  {model}, {bandwidth}, {n} workers, {entry}: left out "
                               f"({row['error']})", file=sys.stderr, flush=True)
                     predictions.append(row)
@@ -368,7 +377,9 @@ def _cost_text(method: Method, proxy: str, args: argparse.Namespace) -> str:
     if c is None:
         return "not measured"
     value = f"{c:+.2f} points" if proxy == "cnn" else f"{c:+.3f} nats"
-    return value if acceptable(method, proxy, args) else f"{value}, over the bound"
+    if not acceptable(method, proxy, args):
+        return f"{value}, over the bound"
+    return value if method.recommendable else f"{value}, not recommended (see its note)"
 
 
 def parts(predictions: list[dict[str, Any]], args: argparse.Namespace,
@@ -378,9 +389,9 @@ def parts(predictions: list[dict[str, Any]], args: argparse.Namespace,
     found = speed_ups(predictions)
     base = {(r["model"], r["bandwidth"], r["workers"]): r for r in predictions
             if r["entry"] == "allreduce" and "step_time" in r}
-    summary = [f"Made by `{command}`: a cost within {args.max_accuracy_drop:g} points (CNN) or "
-               f"{args.max_loss_rise:g} nats (transformer), at least {args.min_speed_up:g}x "
-               f"faster per step, at most {args.top} methods.", ""]
+    summary = [f"Made by `{command}` (costs within {args.max_accuracy_drop:g} points or "
+               f"{args.max_loss_rise:g} nats, at least {args.min_speed_up:g}x, {args.top} "
+               "methods at most).", ""]
     for model in args.models:
         m = MODELS[model]
         summary += [f"**{m.title}**, {compute[model]:g} s of compute per step; cost: "
@@ -435,7 +446,8 @@ def parts(predictions: list[dict[str, Any]], args: argparse.Namespace,
                 full += markdown_table(["method", "cost", *(f"{n:,} workers"
                                                             for n in args.workers)], rows)
                 full += [""]
-    errors = sorted({f"{r['entry']}: {r['error']}" for r in predictions if "error" in r})
+    errors = [f"{r['entry']} ({r['model']}, {_gbit(r['bandwidth'])}, {r['workers']:,} workers): "
+              f"{r['error']}" for r in predictions if "error" in r]
     if errors:
         full += ["Left out:", "", *(f"- {e}" for e in errors), ""]
     return {"summary": summary, "costs": costs, "full": full}
