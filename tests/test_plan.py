@@ -105,3 +105,49 @@ def test_nodes_have_faster_links_inside():
     assert net.transfer_time(0, 1, 10**6) == pytest.approx(1e6 / 1.25e6)  # an override wins
     with pytest.raises(ValueError, match="node_size"):
         NetworkModel(node_size=0)
+
+
+def test_a_bandwidth_without_its_unit_is_refused(tmp_path, capsys):
+    """A bare number is bytes per second: `--bandwidth 10` (meant 10gbit) predicted 1.8e7 s
+    per step; below 1 Mbit/s a bare number is refused, naming the unit to write."""
+    assert main(["plan", "--bandwidth", "10", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--bandwidth 10 has no unit" in err and "10gbit" in err
+    assert main(["plan", "--node-size", "2", "--node-bandwidth", "900", "--out",
+                 str(tmp_path)]) == 2
+    assert "--node-bandwidth 900 has no unit" in capsys.readouterr().err
+
+
+def test_every_method_is_checked_before_the_first_simulation(tmp_path, capsys):
+    """An option that fails only when the method runs (the sparse all-reduce cannot be timed
+    from sizes) stops the plan before any method is simulated on the model, said once."""
+    status = main(["plan", "--workers", "4", "--model", "1M", "--algorithms",
+                   "allreduce,sgp,dgc:aggregation=sparse_allreduce", "--out", str(tmp_path)])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "--algorithms dgc:aggregation=sparse_allreduce cannot be predicted" in err
+    assert "workers, allreduce" not in err  # nothing was simulated
+    assert err.count("cannot be timed from sizes alone") == 1
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_rows_are_written_as_each_method_finishes(tmp_path, monkeypatch):
+    """A plan stopped part-way keeps the rows it finished in plan.md and plan.json."""
+    import sys
+
+    predict_module = sys.modules["gossamer.plan.predict"]  # the package exports the function
+    original = predict_module.predict
+
+    def stopping(algorithm, workers, build, **kwargs):
+        if kwargs.get("label") == "sgp" and workers == 8:
+            raise KeyboardInterrupt
+        return original(algorithm, workers, build, **kwargs)
+
+    monkeypatch.setattr(predict_module, "predict", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        main(["plan", "--workers", "4", "8", "--model", "1M", "--algorithms", "allreduce,sgp",
+              "--warmup", "1", "--steps", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert [(r["workers"], r["method"]) for r in rows] == [(4, "allreduce"), (4, "sgp"),
+                                                          (8, "allreduce")]
+    assert "| 8 | allreduce |" in (tmp_path / "plan.md").read_text()

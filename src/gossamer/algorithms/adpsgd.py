@@ -86,6 +86,9 @@ class ADPSGD(GossipAlgorithm):
                             f"but {topology.name!r} joins ranks {i} and {j}"
                         )
 
+    def symmetric(self) -> bool:
+        return False  # random partners, receives posted ahead of the sends
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> ADPSGDRuntime:
         return ADPSGDRuntime(self, comm, model, optimizer)

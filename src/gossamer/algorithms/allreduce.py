@@ -162,6 +162,11 @@ class AllReduce(Algorithm):
             return self.compression.build(max(1, world_size // self.node_size))
         return self.compressor, self.memory
 
+    def symmetric(self) -> bool:
+        # every worker makes the same collectives; the sparse all-reduce's all-to-all of
+        # sizes is not a rotation of the ranks (each sends in rank order)
+        return self.aggregation != "sparse_allreduce"
+
     def validate(self, world_size: int) -> None:
         check_node_size(self.node_size, world_size)
 

@@ -46,6 +46,15 @@ class Algorithm(ABC):
     #: `gossamer algorithms`; `gossamer compare` leaves such methods out of its default set.
     needs: ClassVar[str] = ""
 
+    def symmetric(self) -> bool:
+        """Whether, on a cluster of equal workers and links, every worker makes the same calls
+        at the same virtual times, its peers mirroring it (the same collectives; messages
+        whose pattern is a rotation of the ranks, or one partner a call): the timing-only
+        predictor then simulates one worker for all (:mod:`gossamer.comm.mirror`). False
+        unless a method declares it; tests/test_mirror.py checks every declaration
+        against the simulation of every worker."""
+        return False
+
     def validate(self, world_size: int) -> None:
         """Check this configuration against a world size (ValueError naming the argument).
 

@@ -85,6 +85,9 @@ class CompressedAllReduce(Algorithm):
     def validate(self, world_size: int) -> None:
         self.allreduce(world_size).validate(world_size)
 
+    def symmetric(self) -> bool:
+        return self.allreduce(1).symmetric()
+
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> AllReduceRuntime:

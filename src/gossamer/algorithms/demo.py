@@ -68,7 +68,19 @@ from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.mirror import Copies
 from gossamer.options import option
+
+
+def _joined(parts: list[torch.Tensor], offset: int, count: int, dtype: torch.dtype,
+            shape: tuple[int, int]) -> torch.Tensor:
+    """Every gathered part's elements ``[offset, offset + count)`` as ``shape``, joined along
+    the last dimension in rank order; for :class:`~gossamer.comm.mirror.Copies` (the
+    planner's one worker for all), its one part repeated: the same tensor."""
+    if isinstance(parts, Copies):
+        return parts.part[offset:offset + count].to(dtype).view(shape).repeat(1, parts.times)
+    return torch.cat([part[offset:offset + count].to(dtype).view(shape) for part in parts],
+                     dim=-1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +126,9 @@ class DeMo(Algorithm):
             raise ValueError(f"compression_decay: must be a number in [0, 1), got {decay!r}")
         check_int("compression_topk", self.compression_topk, 1)
         check_int("compression_chunk", self.compression_chunk, 1)
+
+    def symmetric(self) -> bool:
+        return True  # the same all-gathers on every worker
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> DeMoRuntime:
@@ -253,7 +268,10 @@ class DeMoRuntime(Runtime):
         sent_values = torch.cat([*values, flag])
         gathered_index = self.comm.all_gather(sent_index)
         gathered_values = self.comm.all_gather(sent_values)
-        ranks = [r for r, v in enumerate(gathered_values) if float(v[-1]) != 0]
+        if isinstance(gathered_values, Copies):  # one worker for all (the planner's)
+            ranks = list(range(gathered_values.times)) if float(sent_values[-1]) != 0 else []
+        else:
+            ranks = [r for r, v in enumerate(gathered_values) if float(v[-1]) != 0]
         if ranks:
             if self.nonfinite == "raise" and self.overflow is None:
                 raise self.nonfinite_error("gradient", ranks, self._found)
@@ -264,10 +282,9 @@ class DeMoRuntime(Runtime):
         offset = 0
         for (_, p), transform, k in zip(self.named, self.transforms, self.topk, strict=True):
             count = k * transform.chunks
-            index = torch.cat([i[offset:offset + count].to(torch.int64).view(transform.chunks, k)
-                               for i in gathered_index], dim=-1)
-            value = torch.cat([v[offset:offset + count].to(p.dtype).view(transform.chunks, k)
-                               for v in gathered_values], dim=-1)
+            shape = (transform.chunks, k)
+            index = _joined(gathered_index, offset, count, torch.int64, shape)
+            value = _joined(gathered_values, offset, count, p.dtype, shape)
             offset += count
             averaged = torch.zeros(transform.chunks, transform.size, dtype=p.dtype,
                                    device=p.device)

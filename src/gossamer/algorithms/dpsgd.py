@@ -53,6 +53,10 @@ class DPSGD(GossipAlgorithm):
     default_topology: ClassVar[str] = "ring"
     continues_after_failure: ClassVar[bool] = True
 
+    def symmetric(self) -> bool:
+        # sends in offset order (after_backward): any circulant graph mirrors
+        return isinstance(self.topology, Topology) and self.topology.mirrored(by_offset=True)
+
     def check_topology(self, topology: Topology) -> None:
         topology.require_doubly_stochastic(arg="topology")
         topology.require_strongly_connected(arg="topology")
@@ -72,7 +76,11 @@ class DPSGDRuntime(GossipRuntime):
         self.flat.gather(self.params)
         x = self.flat.buffers[0]
         topo, rank, step = self.topology, self.comm.rank, self.step
-        sends = {peer: x for peer in topo.out_peers(rank, step)}
+        # in the order of their offsets from this rank: on a ring every worker sends to its
+        # right first, so that all workers' messages travel alike (values do not depend on it)
+        n = self.comm.world_size
+        sends = {peer: x for peer in sorted(topo.out_peers(rank, step),
+                                            key=lambda p: (p - rank) % n)}
         received = self.comm.exchange(sends, topo.in_peers(rank, step), recv_like=x).wait()
         weights = topo.in_weights(rank, step)
         x.mul_(weights.self_weight)

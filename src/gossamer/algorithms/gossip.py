@@ -56,6 +56,10 @@ class GossipAlgorithm(Algorithm):
         object.__setattr__(resolved, "_resolved_for", world_size)
         return resolved
 
+    def symmetric(self) -> bool:
+        # exchanges along the topology, resolved for the world size (resolve())
+        return isinstance(self.topology, Topology) and self.topology.mirrored()
+
     def check_world_size(self, world_size: int) -> None:
         """Checks of the options against the world size, before the topology is built."""
 

@@ -338,6 +338,9 @@ class GossipGraD(Algorithm):
                 and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
 
+    def symmetric(self) -> bool:
+        return True  # one partner a step, and the same local all-reduces
+
     def validate(self, world_size: int) -> None:
         nodes = check_local_group_size(self.local_group_size, world_size)
         check_gossipgrad_topology(self.topology, nodes)

@@ -102,6 +102,9 @@ class LocalSGD(Algorithm):
         rate ``lr``; ``previous_lr``: that of the previous round's first step (None: first)."""
         return self.warmup_period if step < self.warmup_steps else self.period
 
+    def symmetric(self) -> bool:
+        return True  # the same all-reduces on every worker (and on every group)
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> LocalSGDRuntime:
         return LocalSGDRuntime(self, comm, model, optimizer)

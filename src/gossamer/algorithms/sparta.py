@@ -101,6 +101,9 @@ class SPARTA(Algorithm):
         if self.selector == "partitioned" and fraction == 0:
             raise ValueError("fraction: the partitioned selector needs fraction > 0, got 0")
 
+    def symmetric(self) -> bool:
+        return True  # the same all-reduce of the same seeded positions on every worker
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> SPARTARuntime:
         return SPARTARuntime(self, comm, model, optimizer)

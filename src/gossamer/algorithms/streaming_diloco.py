@@ -166,6 +166,10 @@ class StreamingDiLoCo(DiLoCo):
                 raise ValueError(f"{name}={value!r} is not taken by streaming-diloco (a "
                                  "constant period, its own precision); use diloco")
 
+    def symmetric(self) -> bool:
+        # an all-to-all in rank order: its messages arrive at a different time on every rank
+        return False
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> StreamingDiLoCoRuntime:
         self.validate(comm.world_size)

@@ -122,6 +122,9 @@ class WAGMA(GossipAlgorithm):
     def topology_options(self) -> dict[str, object]:
         return {"group_size": self.group_size}
 
+    def symmetric(self) -> bool:
+        return False  # receives posted ahead of the sends, from partners that differ by round
+
     def check_world_size(self, world_size: int) -> None:
         if isinstance(self.topology, str) and world_size % self.group_size:
             raise ValueError(f"group_size={self.group_size} does not divide the number of "
@@ -188,8 +191,10 @@ class WAGMARuntime(GossipRuntime):
         self.partners = self._partners()
         flat = self.flat.buffers[0]
         self._dtype, self._numel = flat.dtype, flat.numel()
+        # the receive template on the model's device: a message lands there (a CPU template
+        # put every received model of a GPU run, or of a timing-only one, in host memory)
         self._like = torch.empty(self._numel * flat.element_size() + _TRAILER,
-                                 dtype=torch.uint8)
+                                 dtype=torch.uint8, device=flat.device)
         # internal state
         self.round = 0  # the next round this worker executes
         self._waited = False  # whether the last group average waited for a member

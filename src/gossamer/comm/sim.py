@@ -72,6 +72,27 @@ from gossamer.comm.p2p_group import HEADER_BYTES, divide_
 _READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"`` (``"rank 3"`` for one)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _failure_lines(failures: dict[int, BaseException]) -> list[str]:
+    """One line per distinct error, naming the ranks that raised it: a method that fails
+    alike on every worker (a bad option) is said once, not once per worker."""
+    by_text: dict[str, list[int]] = {}
+    for rank, error in sorted(failures.items()):
+        by_text.setdefault(f"{type(error).__name__}: {error}", []).append(rank)
+    return [f"{_ranks_text(ranks)}: {text}" for text, ranks in by_text.items()]
+
+
 class SimulationError(RuntimeError):
     """One or more simulated workers failed; ``failures`` maps rank to its exception."""
 
@@ -289,7 +310,7 @@ class SimWorld:
         self.report = self._make_report()
         failures = {w.rank: w.error for w in self._workers if w.error is not None}
         if failures:
-            lines = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(failures.items())]
+            lines = _failure_lines(failures)
             first = min(failures, key=lambda r: (self._workers[r].clock, r))
             raise SimulationError(
                 f"{len(failures)} of {n} simulated workers failed, first (in virtual time) "

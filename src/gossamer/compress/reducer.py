@@ -39,6 +39,7 @@ import torch
 
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.mirror import Copies
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation, value_dtype
 from gossamer.compress.cast import NoCompression
 from gossamer.compress.payloads import (
@@ -254,6 +255,10 @@ class CompressedReducer:
         self._update(run, payloads)
         outs = [torch.zeros(c.numel(), dtype=value_dtype(c.dtype), device=c.device)
                 for _, c in run]
+        if isinstance(gathered, Copies):  # one worker for all: its payloads, once per member
+            for payload, (key, _), out in zip(payloads, run, outs, strict=True):
+                compressor.decompress_add(payload, key, out)
+            return [out.mul_(gathered.times).div_(cross.world_size) for out in outs]
         for rank, data in enumerate(gathered):
             theirs = payloads if rank == cross.rank else unpack_bytes(data, payloads)
             for payload, (key, _), out in zip(theirs, run, outs, strict=True):

@@ -79,6 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from gossamer.comm.base import Communicator, Handle
+from gossamer.comm.mirror import Copies
 from gossamer.compress.base import value_dtype
 from gossamer.compress.payloads import SparsePayload
 from gossamer.compress.sparse import MAX_NUMEL
@@ -244,6 +245,9 @@ def all_gather_with_flags(comm: Communicator, packed: torch.Tensor,
         return comm.all_gather(packed)
     gathered = comm.all_gather(torch.cat([packed, rider.reshape(-1).view(torch.uint8)]))
     tail = rider.numel() * rider.element_size()
+    if isinstance(gathered, Copies):  # one worker for all: its flags, counted once per member
+        rider.copy_(gathered.part[-tail:].clone().view(rider.dtype) * gathered.times)
+        return Copies(gathered.part[:-tail], gathered.times)
     rider.copy_(sum(data[-tail:].clone().view(rider.dtype) for data in gathered))
     return [data[:-tail] for data in gathered]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -122,8 +121,76 @@ def _entries(args: argparse.Namespace, runs: dict[str, tuple[str, int | None]] |
     return entries
 
 
-def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Every prediction of the command line's settings, as plan.json holds them."""
+#: a bare --bandwidth below this many bytes per second (1 Mbit/s) is taken for a missing unit
+UNITLESS_FLOOR = 125e3
+
+
+def _check_rate(arg: str, value: str | None) -> None:
+    """A bare number is bytes per second; one below 1 Mbit/s is almost surely a rate whose
+    unit was left out (``--bandwidth 10`` meant 10gbit, not 10 bytes/s): refuse it."""
+    if value is None:
+        return
+    try:
+        rate = float(value)
+    except ValueError:
+        return  # it has a unit: parse_rate checks it
+    if rate < UNITLESS_FLOOR:
+        raise ValueError(f"{arg} {value} has no unit and reads as {rate:g} bytes per second; "
+                         f"write the unit, e.g. {arg} {value}gbit, {value}mbit or "
+                         f"{value}MB/s (a bare number below {UNITLESS_FLOOR:g}, 1 Mbit/s, "
+                         "is refused)")
+
+
+def _admitted(entries: list[tuple[str, Any]], workers: list[int]
+              ) -> dict[int, list[tuple[str, Any]]]:
+    """The entries that can be predicted at each worker count, found before any simulation
+    of the model: each method is built and resolved for every worker count (a group size
+    that does not divide one leaves the method out of that row, said once on stderr), and run
+    for one step at 2 workers on a small model, timing-only, so that an option that fails
+    only at run time (``dgc:aggregation=sparse_allreduce``) stops the plan at once, naming
+    the method, rather than after the others have run. ValueError for a method that cannot
+    be predicted at any worker count."""
+    from gossamer.algorithms import create
+    from gossamer.comm import ComputeModel, NetworkModel
+    from gossamer.comm.sim import SimulationError
+    from gossamer.plan.models import transformer
+    from gossamer.plan.predict import predict
+
+    admitted: dict[int, list[tuple[str, Any]]] = {n: [] for n in workers}
+    for label, spec in entries:
+        try:
+            algorithm = create(spec, None) if isinstance(spec, str) else spec
+            if isinstance(spec, str):
+                spec = algorithm
+        except ValueError as error:
+            raise ValueError(f"--algorithms {label}: {error}") from None
+        fits = []
+        for n in workers:
+            try:
+                algorithm.resolve(n)
+            except ValueError as error:  # e.g. a group size that does not divide n
+                print(f"  {label} at {n} workers: left out ({error})", file=sys.stderr)
+                continue
+            admitted[n].append((label, spec))
+            fits.append(n)
+        if not fits:
+            raise ValueError(f"--algorithms {label}: fits none of --workers {workers}")
+        try:
+            predict(spec, 2 if all(n >= 2 for n in fits) else 1, lambda: transformer(4096),
+                    network=NetworkModel(), compute=ComputeModel(), warmup=1, steps=1)
+        except ValueError as error:  # resolve() at 2 workers, where 2 is not a row
+            if any(n == 2 for n in fits):
+                raise ValueError(f"--algorithms {label}: {error}") from None
+        except SimulationError as error:
+            cause = error.__cause__ or error
+            raise ValueError(f"--algorithms {label} cannot be predicted: "
+                             f"{type(cause).__name__}: {cause}") from None
+    return admitted
+
+
+def plan(args: argparse.Namespace, *, on_row: Any = None) -> dict[str, Any]:
+    """Every prediction of the command line's settings, as plan.json holds them; ``on_row``
+    (optional) is called with the result so far after each prediction."""
     from gossamer.comm import ComputeModel, NetworkModel
     from gossamer.plan.models import model_builder
     from gossamer.plan.predict import predict
@@ -135,41 +202,44 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                          f"{args.warmup}")
     if (args.compare_dir is None) != (args.target is None):
         raise ValueError("--compare-dir and --target go together")
+    _check_rate("--bandwidth", args.bandwidth)
+    _check_rate("--node-bandwidth", args.node_bandwidth)
     build, model_label = model_builder(args.model)
     network = NetworkModel(latency=args.latency, bandwidth=args.bandwidth,
                            node_size=args.node_size, node_bandwidth=args.node_bandwidth,
                            node_latency=args.node_latency)
     stragglers = parse_stragglers(args.straggler)
     runs = steps_to_target(args.compare_dir, args.target) if args.compare_dir else None
-    entries = _entries(args, runs)
-    rows = []
+    admitted = _admitted(_entries(args, runs), args.workers)
+    result = {"model": model_label, "compute_time": args.compute_time,
+              "latency": args.latency, "bandwidth": network.bandwidth,
+              "node_size": args.node_size, "node_bandwidth": network.node_bandwidth,
+              "node_latency": args.node_latency, "stragglers": stragglers,
+              "jitter": args.jitter, "warmup": args.warmup, "steps": args.steps,
+              "target": args.target, "rows": []}
+    rows = result["rows"]
     for n in args.workers:
         compute = ComputeModel(step_time=args.compute_time, jitter=args.jitter,
                                stragglers={r: f for r, f in stragglers.items() if r < n})
-        for label, algorithm in entries:
-            try:
-                found = predict(algorithm, n, build, network=network, compute=compute,
-                                warmup=args.warmup, steps=args.steps, label=label)
-            except ValueError as error:  # e.g. a group size that does not divide n
-                print(f"  {label} at {n} workers: left out ({error})", file=sys.stderr)
-                continue
+        for label, algorithm in admitted[n]:
+            found = predict(algorithm, n, build, network=network, compute=compute,
+                            warmup=args.warmup, steps=args.steps, label=label)
             print(f"  {n} workers, {label}: {found.step_time:.4g} s per step "
                   f"({found.real_seconds:.1f} s to simulate)", file=sys.stderr)
             rows.append(found.as_dict())
-    _speed_ups(rows)
-    if runs is not None:
-        for row in rows:
-            reached = [steps for name, (spec, steps) in runs.items()
-                       if row["method"] in (spec, name)]
-            row["steps_to_target"] = reached[0] if reached else None
-            row["time_to_target"] = (None if not reached or reached[0] is None
-                                     else reached[0] * row["step_time"])
-    return {"model": model_label, "compute_time": args.compute_time,
-            "latency": args.latency, "bandwidth": network.bandwidth,
-            "node_size": args.node_size, "node_bandwidth": network.node_bandwidth,
-            "node_latency": args.node_latency, "stragglers": stragglers,
-            "jitter": args.jitter, "warmup": args.warmup, "steps": args.steps,
-            "target": args.target, "rows": rows}
+            _speed_ups(rows)
+            if runs is not None:
+                _to_target(rows[-1], runs)
+            if on_row is not None:
+                on_row(result)
+    return result
+
+
+def _to_target(row: dict[str, Any], runs: dict[str, tuple[str, int | None]]) -> None:
+    reached = [steps for name, (spec, steps) in runs.items() if row["method"] in (spec, name)]
+    row["steps_to_target"] = reached[0] if reached else None
+    row["time_to_target"] = (None if not reached or reached[0] is None
+                             else reached[0] * row["step_time"])
 
 
 def _speed_ups(rows: list[dict[str, Any]]) -> None:
@@ -201,38 +271,7 @@ def table(result: dict[str, Any]) -> list[str]:
     return markdown_table(header, lines)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Step time and speed-up over AllReduce against the worker count, one line per method."""
-    from gossamer.bench.report import new_figure
-
-    fig = new_figure(11, 4.5)
-    left, right = fig.subplots(1, 2)
-    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
-    for method in methods:
-        rows = [r for r in result["rows"] if r["method"] == method]
-        workers = [r["workers"] for r in rows]
-        left.plot(workers, [r["step_time"] for r in rows], marker="o", label=method)
-        right.plot(workers, [r["speed_up"] or math.nan for r in rows], marker="o",
-                   label=method)
-    for ax, label in ((left, "predicted seconds per step"), (right, "speed-up over AllReduce")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("workers")
-        ax.set_ylabel(label)
-        ax.grid(True, alpha=0.3)
-    left.set_yscale("log")
-    right.axhline(1.0, color="black", linewidth=0.8)
-    right.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{result['model']}, {result['compute_time']:g} s compute, "
-                 f"{result['bandwidth'] * 8 / 1e9:g} Gbit/s")
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def run(args: argparse.Namespace) -> int:
-    result = plan(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines = table(result)
+def _settings(result: dict[str, Any]) -> str:
     settings = (f"Model {result['model']}, {result['compute_time']:g} s of compute per step, "
                 f"links of {result['bandwidth'] * 8 / 1e9:g} Gbit/s and "
                 f"{result['latency'] * 1e6:g} us")
@@ -241,11 +280,36 @@ def run(args: argparse.Namespace) -> int:
     if result["stragglers"]:
         settings += ", stragglers " + ", ".join(
             f"rank {r} x{f:g}" for r, f in result["stragglers"].items())
-    (out / "plan.md").write_text("# gossamer plan\n\n" + settings + ".\n\n" + "\n".join(lines)
-                                 + "\n\n![step time and speed-up](plan.png)\n")
-    (out / "plan.json").write_text(json.dumps(result, indent=1))
-    plot(result, out / "plan.png")
+    return settings
+
+
+def write(result: dict[str, Any], out: Path, *, figure: bool = True) -> list[str]:
+    """plan.md and plan.json (and plan.png with ``figure``) of ``result`` in ``out``; the
+    table's lines. Written after each prediction, so that a stopped plan keeps its rows."""
+    from gossamer.plan.figure import plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = table(result)
+    picture = "\n\n![step time and speed-up](plan.png)\n" if figure else "\n"
+    _replace(out / "plan.md", "# gossamer plan\n\n" + _settings(result) + ".\n\n"
+             + "\n".join(lines) + picture)
+    _replace(out / "plan.json", json.dumps(result, indent=1))
+    if figure:
+        plot(result, out / "plan.png")
+    return lines
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file: a reader never sees half."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    result = plan(args, on_row=lambda partial: write(partial, out, figure=False))
+    lines = write(result, out)
     print("\n".join(lines))
     print(f"plan: {out / 'plan.md'}")
     return 0
-

@@ -21,6 +21,7 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm, create
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
+from gossamer.comm.mirror import MirrorComm, MirrorWorld, homogeneous
 from gossamer.comm.timing import META
 
 __all__ = ["Prediction", "cycle", "predict", "step_worker"]
@@ -60,15 +61,21 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
     comm.barrier()  # every worker starts together, whatever its set-up took
     for _ in range(warmup):
         step()
-    start = (comm.clock(), comm.idle_time, comm.stats.total_bytes_sent,
-             comm.stats.total_messages_sent)
+    start = (comm.clock(), comm.idle_time, *_sent(comm))
     for _ in range(steps):
         step()
-    end = (comm.clock(), comm.idle_time, comm.stats.total_bytes_sent,
-           comm.stats.total_messages_sent)
+    end = (comm.clock(), comm.idle_time, *_sent(comm))
     optimizer.finish()
     seconds, idle, sent, messages = (b - a for a, b in zip(start, end, strict=True))
     return {"seconds": seconds, "idle": idle, "bytes": sent, "messages": messages}
+
+
+def _sent(comm) -> tuple[float, float]:
+    """Bytes and messages sent so far per worker: this worker's, or the mean over the world
+    that one :class:`~gossamer.comm.mirror.MirrorComm` stands for."""
+    if isinstance(comm, MirrorComm):
+        return comm.mean_sent
+    return comm.stats.total_bytes_sent, comm.stats.total_messages_sent
 
 
 def cycle(algorithm: Algorithm) -> int:
@@ -100,11 +107,17 @@ class Prediction:
 def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Module], *,
             network: NetworkModel, compute: ComputeModel, warmup: int = 2, steps: int = 3,
             label: str | None = None, options: Mapping[str, Any] | None = None,
-            seed: int = 0, lr: float = 0.05) -> Prediction:
+            seed: int = 0, lr: float = 0.05, simulate: str = "auto") -> Prediction:
     """Simulate ``steps`` steps (after ``warmup``) of ``algorithm`` on ``workers`` workers of
     the model ``build()`` makes, timing-only; the time per step, bytes per step and idle
     fraction. ``steps`` is rounded up to whole cycles of the method (:func:`cycle`: local
     SGD's period, WAGMA's global rounds); ``lr`` is the inner SGD's learning rate.
+
+    ``simulate``: ``"auto"`` (default) simulates one worker for all
+    (:class:`~gossamer.comm.mirror.MirrorWorld`) where the method is symmetric
+    (:meth:`~gossamer.algorithms.Algorithm.symmetric`) and the workers and links are alike,
+    every worker otherwise; ``"every"`` always simulates every worker (the same figures,
+    slower); ``"one"`` insists on one (ValueError where it cannot stand for all).
 
     Example::
 
@@ -115,15 +128,28 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     """
     import time
 
+    if simulate not in ("auto", "every", "one"):
+        raise ValueError(f"simulate must be 'auto', 'every' or 'one', got {simulate!r}")
     if isinstance(algorithm, str):
         label = label or algorithm
         algorithm = create(algorithm, options)
     algorithm = algorithm.resolve(workers)
     steps = -(-steps // cycle(algorithm)) * cycle(algorithm)
-    world = SimWorld(workers, network=network, compute=compute, seed=seed, timing_only=True)
+    one = simulate != "every" and algorithm.symmetric() and not homogeneous(
+        workers, network, compute)
+    if simulate == "one" and not one:
+        raise ValueError(f"simulate='one': {label or algorithm.name} at {workers} workers needs "
+                         "every worker simulated (" + (homogeneous(workers, network, compute)
+                                                       or "not a symmetric method") + ")")
     started = time.perf_counter()
-    rows = world.run(step_worker, algorithm, build, warmup=warmup, steps=steps,
-                     size_only=True, lr=lr)
+    kwargs = {"warmup": warmup, "steps": steps, "size_only": True, "lr": lr}
+    if one:
+        rows = [MirrorWorld(workers, network=network, compute=compute, seed=seed).run(
+            step_worker, algorithm, build, **kwargs)] * workers
+    else:
+        world = SimWorld(workers, network=network, compute=compute, seed=seed,
+                         timing_only=True)
+        rows = world.run(step_worker, algorithm, build, **kwargs)
     real = time.perf_counter() - started
     per_step = [r["seconds"] / steps for r in rows]
     return Prediction(

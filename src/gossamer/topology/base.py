@@ -145,6 +145,28 @@ class Topology:
         r, p = self._rank(rank), self._phase(step)
         return list(self._out[p][r])
 
+    def mirrored(self, by_offset: bool = False) -> bool:
+        """Whether every node's sends mirror node 0's at every step: each node sends to one
+        peer and receives from one, or each sends to node 0's out-peers shifted by its rank
+        (a circulant graph) in the same order: :meth:`out_peers`' order, or with
+        ``by_offset`` the order of the offsets ``(peer - rank) % n`` (a method that sends in
+        that order). Every node's messages then leave and arrive at the same times when the
+        links are alike (:mod:`gossamer.comm.mirror`)."""
+        n = self._n
+
+        def order(r: int, peers: list[int]) -> list[int]:
+            return sorted(peers, key=lambda q: (q - r) % n) if by_offset else peers
+
+        for p in range(self.period):
+            zero = order(0, list(self._out[p][0]))
+            for r in range(n):
+                out = order(r, list(self._out[p][r]))
+                if len(out) == 1 and len(self._in[p][r]) == 1 and len(zero) == 1:
+                    continue
+                if out != [(q + r) % n for q in zero]:
+                    return False
+        return True
+
     def in_peers(self, rank: int, step: int) -> list[int]:
         """The ranks ``rank`` receives from at ``step`` (sorted, excluding itself)."""
         r, p = self._rank(rank), self._phase(step)

@@ -1,0 +1,341 @@
+"""One simulated worker that stands for all: the timing-only simulator of a symmetric method.
+
+On a cluster of equal workers and equal links, a method such as AllReduce, local SGD, DiLoCo or
+SGP on its exponential graph makes every worker do the same thing at the same virtual time:
+the same collectives, and messages whose pattern is the same from every rank's point of view
+(a rotation of the ranks, or one partner a call). Every worker's clock is then the same as
+every other's, and simulating one of them gives the whole world's times. :class:`MirrorWorld`
+runs the worker function of rank 0 alone, in :class:`~gossamer.comm.timing.SizeOnlyMode`, with
+a :class:`MirrorComm` that completes each call as :class:`~gossamer.comm.SimWorld` would if the
+other ranks made the same call at the same moment:
+
+- a collective starts when this worker arrives (everyone arrives then) and lasts the
+  alpha-beta time of :mod:`gossamer.comm.cost` over its members, as in the simulator; an
+  all-gather returns this worker's tensor once per member (every member sent the same), as
+  :class:`Copies`, which the methods that decompress every part (the all-gathering
+  compressors, DeMo) work on once;
+- a message received from peer ``q`` is the peer's copy of one this worker sent in the same
+  call: the only one it sent, or, with several, the one to ``2 * rank - q`` (the peers are a
+  rotation of the ranks, as on a circulant graph); it left at the same time and arrives when
+  that one arrives.
+
+The cost of a prediction thus no longer grows with the number of workers, beyond what the
+method's own code does per member (an all-gather's parts). The bytes are the mean over the
+workers (:attr:`MirrorWorld.mean_bytes_sent`): a ring all-reduce's chunks differ by an element
+between ranks, a broadcast's tree sends from some ranks only.
+
+A call that does not fit (a receive posted with nothing sent, several sends none of which
+mirrors the peer, a membership change, a fault) raises :class:`NotSymmetric`: the method is
+then not symmetric, and :func:`gossamer.plan.predict` simulates every worker. Which methods
+are symmetric is declared (:meth:`gossamer.algorithms.Algorithm.symmetric`) and tested: their
+predictions here equal the full timing-only simulator's at 16 workers (tests/test_timing_sim.py).
+
+Example::
+
+    world = MirrorWorld(10_000, network=NetworkModel(bandwidth="10gbit"),
+                        compute=ComputeModel(step_time=0.25))
+    result = world.run(worker)        # rank 0's result; world.mean_bytes_sent: every rank's mean
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from gossamer.comm import cost
+from gossamer.comm.base import (
+    DEFAULT_TIMEOUT,
+    CommTimeoutError,
+    ReduceOp,
+    check_exchange,
+    check_rank,
+    tensor_nbytes,
+)
+from gossamer.comm.network import ComputeModel, NetworkModel
+from gossamer.comm.p2p_group import HEADER_BYTES
+from gossamer.comm.sim import SimComm, _SimHandle, _Slot, _Wait, _Worker
+
+__all__ = ["Copies", "MirrorComm", "MirrorWorld", "NotSymmetric", "homogeneous"]
+
+
+class Copies(list):
+    """What an all-gather returns in a :class:`MirrorWorld`: one part per member, each a copy
+    of this worker's (every member sent the same), all one tensor: read them, do not write
+    them in place. A method that works on the parts one by one may work on :attr:`part` once
+    instead and count it :attr:`times`: the same result for equal parts, and a prediction
+    whose cost does not grow with the members."""
+
+    def __init__(self, part: torch.Tensor, times: int) -> None:
+        self.part = part.detach().clone()
+        self.times = times
+        super().__init__([self.part] * times)
+
+
+class NotSymmetric(RuntimeError):
+    """A call that one worker cannot stand for: the method is not symmetric."""
+
+
+def homogeneous(world_size: int, network: NetworkModel, compute: ComputeModel) -> str:
+    """Why the workers of this cluster are not interchangeable ("" when they are): every link
+    and every worker's step must be alike for one worker to stand for all."""
+    if compute.stragglers:
+        return "stragglers"
+    if compute.jitter:
+        return "jitter"
+    if compute.trace or compute.measured:
+        return "a traced or measured compute model"
+    if network.link_latency or network.link_bandwidth:
+        return "per-link overrides"
+    if network.node_size > 1 and network.node_size < world_size and (
+            network.node_latency is not None or network.node_bandwidth is not None):
+        return "nodes with their own links"
+    return ""
+
+
+class MirrorWorld:
+    """Rank 0 of ``world_size`` workers, simulated alone for a symmetric method (see the
+    module docs); timing-only. Takes SimWorld's arguments, on a homogeneous cluster
+    (:func:`homogeneous`: ValueError otherwise)."""
+
+    def __init__(self, world_size: int, *, network: NetworkModel | None = None,
+                 compute: ComputeModel | None = None, seed: int = 0,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.network = network if network is not None else NetworkModel()
+        self.compute = compute if compute is not None else ComputeModel()
+        why = homogeneous(world_size, self.network, self.compute)
+        if why:
+            raise ValueError(f"MirrorWorld needs interchangeable workers; this cluster has {why}")
+        self.seed = seed
+        self.timeout = float(timeout)
+        self.mean_bytes_sent = 0.0  # per worker, mean over the world's workers
+        self.mean_messages_sent = 0.0
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(comm, *args, **kwargs)`` for rank 0, standing for every rank; its result."""
+        from gossamer.comm.timing import SizeOnlyMode
+
+        saved_rng, saved_grad = torch.get_rng_state(), torch.is_grad_enabled()
+        self._groups: dict[Hashable, int] = {}
+        self._durations: dict[Hashable, float] = {}
+        self._shared: dict[str, Any] = {}
+        self.worker = _Worker(0, self.seed)
+        torch.default_generator.set_state(self.worker.torch_rng)  # as SimWorld's rank 0
+        try:
+            with SizeOnlyMode():
+                return fn(MirrorComm(self, self.worker, tuple(range(self.world_size))),
+                          *args, **kwargs)
+        finally:
+            torch.set_rng_state(saved_rng)
+            torch.set_grad_enabled(saved_grad)
+
+    # -- what SimComm and _SimHandle ask of their world --------------------------------------
+    def _duration(self, key: Hashable, compute: Callable[[], float]) -> float:
+        duration = self._durations.get(key)
+        if duration is None:
+            duration = self._durations[key] = compute()
+        return duration
+
+    def _wake(self, w: _Worker, at: float, error: BaseException | None = None) -> None:
+        w.idle_time += max(0.0, at - w.clock)
+        w.clock = max(w.clock, at)
+        w.wait = None
+        w.wake_error = error
+
+    def _sync(self, w: _Worker) -> None:
+        """Nothing earlier can happen: every other worker is where this one is."""
+
+    def _yield(self, w: _Worker) -> None:
+        if w.wake_error is not None:
+            error, w.wake_error = w.wake_error, None
+            raise error
+
+    def _block(self, w: _Worker, wait: _Wait) -> NoReturn:
+        raise NotSymmetric(f"{wait.op}: waits for a message that no call of this worker "
+                           "mirrors")
+
+    def _maybe_complete(self, w: _Worker) -> None:
+        wait = w.wait
+        assert wait is not None and wait.handle is not None  # type: ignore[attr-defined]
+        deadline = wait.started + self.timeout
+        completion = wait.handle._completion()  # type: ignore[attr-defined]
+        if completion > deadline:
+            self._wake(w, deadline, CommTimeoutError(
+                f"{wait.op} on rank {w.rank} timed out after {self.timeout:g} s (virtual)",
+                op=wait.op, peers=()))
+        else:
+            self._wake(w, completion)
+
+
+class MirrorComm(SimComm):
+    """Rank 0's communicator in a :class:`MirrorWorld` (over the world or a group of it)."""
+
+    _world: MirrorWorld  # type: ignore[assignment]
+
+    def _collective_done(self, key: Hashable, duration: Callable[[], float]) -> None:
+        """This worker and every other member arrive now; the collective ends ``duration()``
+        later (kept by ``key``), as SimWorld's does when its last member arrives."""
+        world, w = self._world, self._worker
+        end = max(w.clock, w.nic_free) + world._duration((self._group, *key), duration)
+        w.nic_free = end
+        world._wake(w, end)
+
+    def _mean(self, nbytes: float, messages: float) -> None:
+        """Add one call's bytes and messages per worker, the mean over its members (every
+        worker is in a group alike), to the world's."""
+        self._world.mean_bytes_sent += nbytes
+        self._world.mean_messages_sent += messages
+
+    @property
+    def mean_sent(self) -> tuple[float, float]:
+        """Bytes and messages sent so far per worker, the mean over the world's workers (this
+        worker's own counters are in :attr:`stats`)."""
+        return self._world.mean_bytes_sent, self._world.mean_messages_sent
+
+    # ---- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        if self._worker.parts:
+            self._local_work()
+        self._count("all_reduce")
+        n, me = self.world_size, self._rank
+        numel, esize = tensor.numel(), tensor.element_size()
+        plan = self._ring_traffic.get((numel, esize))
+        if plan is None:
+            pred = (me - 1) % n
+            plan = self._ring_traffic[(numel, esize)] = self._plan(
+                cost.ring_all_reduce_traffic(me, n, numel, esize),
+                [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, numel, esize)])
+        self._replay(plan)
+        if n == 1:
+            return tensor
+        # every chunk leaves every rank twice but its own two: 2 (n - 1) / n of it on average
+        self._mean(2 * numel * (n - 1) * esize / n, 2 * (n - 1))
+        network, members = self._world.network, self._members
+        # The values: every member holds the same, and SimWorld's sum leaves the values a
+        # program wrote into a tensor (the control values of the timing-only mode) as they
+        # were, so nothing changes here either.
+        self._collective_done(("all_reduce", numel, esize), lambda: cost.ring_all_reduce_time(
+            n, numel, esize, network, members))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        n, me = self.world_size, self._rank
+        if self._worker.parts:
+            self._local_work()
+        self._count("all_gather")
+        if n == 1:
+            return [tensor.detach().clone()]
+        nbytes = tensor_nbytes(tensor)
+        network, members = self._world.network, self._members
+
+        def duration() -> float:
+            total = cost.ring_all_gather_time([HEADER_BYTES] * n, network, members)
+            if nbytes:
+                total += cost.ring_all_gather_time([nbytes] * n, network, members)
+            return total
+
+        self._collective_done(("all_gather", nbytes), duration)
+        sizes = [nbytes] * n
+        pred = (me - 1) % n
+        self._record_traffic(
+            cost.ring_all_gather_traffic(me, n, sizes),
+            [(pred, b, m) for _, b, m in cost.ring_all_gather_traffic(pred, n, sizes)])
+        self._mean((n - 1) * nbytes, n - 1)
+        # each member's part is this worker's (they sent the same); copies, as SimWorld's
+        return Copies(tensor, n)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        n, me = self.world_size, self._rank
+        check_rank(src, n, "src")
+        if self._worker.parts:
+            self._local_work()
+        self._count("broadcast")
+        nbytes = tensor_nbytes(tensor)
+        self._record_traffic(
+            cost.broadcast_traffic(me, n, src, nbytes),
+            [(s, nbytes, 1) for s in cost.broadcast_sources(me, n, src)])
+        if n == 1:
+            return tensor
+        self._mean((n - 1) * nbytes / n, (n - 1) / n)  # n - 1 messages in the tree
+        network, members = self._world.network, self._members
+        self._collective_done(("broadcast", src, nbytes), lambda: cost.broadcast_time(
+            n, src, nbytes, network, members))
+        return tensor  # the source's values are this worker's
+
+    def barrier(self) -> None:
+        if self._worker.parts:
+            self._local_work()
+        self._count("barrier")
+        n, me = self.world_size, self._rank
+        if self._barrier_traffic is None:
+            self._barrier_traffic = self._plan(
+                cost.barrier_traffic(me, n),
+                [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))])
+        self._replay(self._barrier_traffic)
+        if n == 1:
+            return
+        self._mean(0, cost.barrier_rounds(n))
+        network, members = self._world.network, self._members
+        self._collective_done(("barrier",), lambda: cost.barrier_time(n, network, members))
+
+    # ---- point to point
+    def exchange(self, sends: Mapping[int, torch.Tensor], recv_from: Sequence[int],
+                 recv_like: torch.Tensor | None = None) -> _SimHandle:
+        like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
+        if self._worker.parts:
+            self._local_work()
+        self._exchanges += 1
+        name = f"exchange #{self._exchanges}"
+        counted = self._counting
+        if counted:
+            self._count("exchange")
+        w, network = self._worker, self._world.network
+        sends_done = w.clock
+        sent: dict[int, tuple[torch.Tensor, float]] = {}
+        for peer, tensor in sends.items():
+            nbytes = tensor_nbytes(tensor)
+            dst = self._members[peer]
+            start = max(w.clock, w.nic_free)
+            w.nic_free = start + network.transfer_time(w.rank, dst, nbytes)
+            sent[peer] = (tensor, w.nic_free + network.message_time(w.rank, dst, 0))
+            sends_done = w.nic_free
+            if counted:
+                self._record(peer, nbytes, sent=True)
+                self._mean(nbytes, 1)
+        slots = []
+        n, me = self.world_size, self._rank
+        for src in recv_from:
+            if len(sent) == 1:  # the peer's copy of this worker's one message
+                tensor, arrival = next(iter(sent.values()))
+            elif (2 * me - src) % n in sent:  # a rotation: src sent to me as I sent to 2me-src
+                tensor, arrival = sent[(2 * me - src) % n]
+            else:
+                raise NotSymmetric(
+                    f"{name}: rank {me} receives from {src} but sent nothing that mirrors it")
+            slots.append(_Slot(self._members[src], tensor.detach().clone(), arrival))
+        return _SimHandle(self, slots, sends_done, like, name, counted)
+
+    def group(self, ranks: Sequence[int]) -> MirrorComm:
+        group = super().group(ranks)
+        return MirrorComm(self._world, self._worker, group._members, self._epoch, parent=self)
+
+    # ---- what one worker cannot stand for
+    def regroup(self, rank: int, members: Sequence[int], name: str) -> NoReturn:
+        raise NotSymmetric("a membership change")
+
+    def peer_alive(self, rank: int) -> bool:
+        return True
+
+    def fail(self, kind: str, reason: str) -> NoReturn:
+        raise NotSymmetric(f"an injected fault ({reason})")
+
+    def sleep(self, seconds: float) -> None:
+        w = self._worker
+        w.idle_time += seconds
+        w.clock += seconds

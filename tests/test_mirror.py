@@ -1,0 +1,101 @@
+"""One simulated worker for all (gossamer.comm.mirror): a symmetric method's prediction equals
+the timing-only simulation of every worker, exactly; what is not symmetric is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossamer.algorithms import available, create
+from gossamer.comm import ComputeModel, NetworkModel
+from gossamer.comm.mirror import MirrorWorld, NotSymmetric, homogeneous
+from gossamer.plan.models import MODELS
+from gossamer.plan.predict import predict
+from gossamer.train.compare import parse_algorithms
+
+NETWORK = NetworkModel(latency=50e-6, bandwidth="1gbit")
+COMPUTE = ComputeModel(step_time=0.01)
+DIGITS = MODELS["digits-mlp"][0]
+FIELDS = ("step_time", "mean_step_time", "bytes_per_step", "idle_fraction")
+#: options that change a symmetric method's pattern: groups, hierarchy, topologies, periods
+VARIANTS = ("allreduce:compression=topk:node_size=4,diloco:group_size=4,localsgd:period=3,"
+            "sgp:allreduce_every=2,dpsgd:topology=exponential,gossipgrad:local_group_size=2,"
+            "gossipgrad:topology=cube")
+
+
+def _both(spec, workers=16):
+    kwargs = {"network": NETWORK, "compute": COMPUTE, "warmup": 1, "steps": 2}
+    one = predict(spec, workers, DIGITS, simulate="one", **kwargs)
+    every = predict(spec, workers, DIGITS, simulate="every", **kwargs)
+    return one, every
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label,spec", parse_algorithms(",".join(available()) + ","
+                                                         + VARIANTS))
+def test_one_worker_predicts_what_every_worker_does(label, spec):
+    """At 16 workers, for every registered method that declares itself symmetric (and the
+    variants above): the same step times (slowest and mean), bytes per worker (the mean over
+    workers, which one worker's own counters are not: a ring's chunks differ by an element)
+    and idle fraction as simulating all 16; a method that is not symmetric is refused."""
+    algorithm = (create(spec, None) if isinstance(spec, str) else spec).resolve(16)
+    if not algorithm.symmetric():
+        with pytest.raises(ValueError, match="needs every worker simulated"):
+            predict(spec, 16, DIGITS, network=NETWORK, compute=COMPUTE, simulate="one")
+        return
+    one, every = _both(spec)
+    for field in FIELDS:
+        assert getattr(one, field) == pytest.approx(getattr(every, field), rel=1e-12,
+                                                    abs=1e-15), field
+    assert every.step_time == pytest.approx(every.mean_step_time, rel=1e-12)  # all alike
+
+
+def test_the_symmetric_methods_are_most_of_them():
+    """The declaration matters: the collective and circulant-gossip methods are symmetric,
+    those with posted receives, random partners or an all-to-all in rank order are not."""
+    symmetric = {name for name in available() if create(name, None).resolve(16).symmetric()}
+    assert {"allreduce", "dgc", "qsgd", "powersgd", "localsgd", "diloco", "demo", "sparta",
+            "sgp", "osgp", "dpsgd", "gossipgrad"} <= symmetric
+    assert not symmetric & {"adpsgd", "wagma", "streaming-diloco"}
+    for label, spec in parse_algorithms("sgp:topology=complete,dgc:aggregation=sparse_allreduce"):
+        assert not spec.resolve(8).symmetric(), label
+
+
+def test_a_cluster_of_unlike_workers_needs_every_worker():
+    assert homogeneous(8, NETWORK, COMPUTE) == ""
+    assert homogeneous(8, NETWORK, ComputeModel(stragglers={3: 4.0})) == "stragglers"
+    assert homogeneous(8, NETWORK, ComputeModel(jitter=0.1)) == "jitter"
+    nodes = NetworkModel(node_size=4, node_bandwidth="100gbit")
+    assert homogeneous(8, nodes, COMPUTE) == "nodes with their own links"
+    with pytest.raises(ValueError, match="stragglers"):
+        MirrorWorld(8, compute=ComputeModel(stragglers={1: 2.0}))
+    with pytest.raises(ValueError, match="stragglers"):
+        predict("allreduce", 8, DIGITS, network=NETWORK,
+                compute=ComputeModel(stragglers={1: 2.0}), simulate="one")
+    # auto: every worker, the straggler's pace
+    slow = predict("allreduce", 8, DIGITS, network=NETWORK,
+                   compute=ComputeModel(step_time=0.01, stragglers={1: 2.0}))
+    assert slow.step_time > predict("allreduce", 8, DIGITS, network=NETWORK,
+                                    compute=COMPUTE).step_time
+
+
+def test_a_receive_nothing_mirrors_is_refused():
+    """A receive posted with nothing sent (WAGMA's, AD-PSGD's) cannot be stood for."""
+    def worker(comm):
+        comm.exchange({}, [1], recv_like=torch.zeros(4)).wait()
+
+    with pytest.raises(NotSymmetric, match="sent nothing that mirrors"):
+        MirrorWorld(4).run(worker)
+
+
+def test_ten_thousand_workers_cost_one():
+    """The prediction's cost does not grow with the workers for a method that does no work
+    per member: AllReduce at 10,000 workers of a 1B-parameter model."""
+    import time
+
+    started = time.perf_counter()
+    found = predict("allreduce", 10_000, MODELS["gpt-1b"][0], network=NETWORK,
+                    compute=ComputeModel(step_time=0.5), warmup=1, steps=1)
+    assert time.perf_counter() - started < 60
+    # the ring's bytes per worker: 2 (n - 1) / n of the 4 GB of gradients (and its flags)
+    assert found.bytes_per_step == pytest.approx(2 * 9_999 / 10_000 * 4e9, rel=1e-3)
