@@ -24,7 +24,7 @@ VARIANTS = ("allreduce:compression=topk:node_size=4,diloco:group_size=4,localsgd
 
 
 def _both(spec, workers=16):
-    kwargs = {"network": NETWORK, "compute": COMPUTE, "warmup": 1, "steps": 2}
+    kwargs = {"network": NETWORK, "compute": COMPUTE, "warmup": 1, "steps": 1}
     one = predict(spec, workers, DIGITS, simulate="one", **kwargs)
     every = predict(spec, workers, DIGITS, simulate="every", **kwargs)
     return one, every

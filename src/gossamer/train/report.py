@@ -439,7 +439,8 @@ def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where to write the plots and report.md (default: RUN_DIR/plots "
                         f"for one run, ./{DEFAULT_OUT} for several)")
-    parser.add_argument("--title", default="gossamer plot", help="title of report.md")
+    parser.add_argument("--title", default="gossamer plot",
+                        help="title of report.md (default: gossamer plot)")
 
 
 def run_plot(args: argparse.Namespace) -> int:
