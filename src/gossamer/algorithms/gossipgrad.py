@@ -306,7 +306,7 @@ class GossipGraD(Algorithm):
         "allreduce_every=10 (an exact parameter average every 10 steps) for the MNIST CNN: "
         "with its defaults the replicas drift apart (consensus distance 54) and their average "
         "reaches 95.95% at 8 workers, 89.4% at 16, against 98.50% and 97.65% for allreduce; "
-        "with it 98.40% and 97.75% (BENCHMARKS.md)")
+        "with it 98.40% and 97.75% (docs/benchmarks/gossip.md)")
 
     topology: str = "dissemination"  # cube mixes exactly in one round; needs 2^k nodes
     local_group_size: int = 1  # higher: fewer nodes to gossip among (faster mixing), more
