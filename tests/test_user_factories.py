@@ -2,6 +2,7 @@
 docs/training.md trains as printed there, and every bad factory stops with a clear error."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -232,6 +233,6 @@ def test_two_gloo_processes_train_the_example():
          "mydata:make_model", "--dataset", "mydata:make_dataset", "--steps", "40", "--quiet"],
         cwd=EXAMPLES, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "workers                2 (torch.distributed)" in done.stdout
+    assert re.search(r"^workers +2 \(torch.distributed\)$", done.stdout, re.MULTILINE)
     accuracy = float(done.stdout.split("eval accuracy")[1].split("%")[0])
     assert accuracy > 90
