@@ -322,7 +322,7 @@ def accuracy(args: argparse.Namespace, results: Results) -> None:
     # DGC through the sparse all-reduce: AllReduce with the DGC spec and the aggregation
     specs = {name: split_entry(label) for name, label in entries.items()}
     for steps in args.sparse_warmup:
-        spec = f"{dgc}:warmup_steps={steps}" if steps else dgc
+        spec = f"{dgc}:warmup_steps={steps}"  # 0: none (the default warms up)
         name = f"dgc-sparse-warmup{steps}"
         entries[name] = f"{spec}:aggregation=sparse_allreduce"
         specs[name] = ("allreduce", {"compression": spec, "aggregation": "sparse_allreduce"})
