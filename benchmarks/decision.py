@@ -174,6 +174,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recommended method is at least this much faster per step "
                         "(default 1.1)")
     parser.add_argument("--top", type=int, default=3, help="methods per cell (default 3)")
+    parser.add_argument("--every-worker-up-to", type=int, default=32, metavar="N",
+                        help="a method the planner simulates worker by worker (not symmetric: "
+                        "WAGMA, AD-PSGD, Streaming DiLoCo) is left out above N workers, where "
+                        "its simulation takes minutes to hours (default 32)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the predictions of an earlier decision.json of the same "
                         "settings, and time only the missing ones")
@@ -234,12 +238,15 @@ def recommend(speed_ups: dict[str, float], proxy: str, args: argparse.Namespace
 
 
 def _predict(entry: str, model: str, bandwidth: str, workers: int, compute_time: float,
-             latency: float) -> dict[str, Any]:
+             latency: float, every_up_to: int) -> dict[str, Any]:
     from gossamer.comm import ComputeModel, NetworkModel
     from gossamer.plan import model_builder, predict
     from gossamer.train.compare import parse_algorithms
 
     ((label, algorithm),) = parse_algorithms(entry)
+    if workers > every_up_to and not algorithm.resolve(workers).symmetric():
+        raise ValueError(f"simulated worker by worker, not predicted above {every_up_to} "
+                         "workers (docs/plan.md, Scale)")
     build, _ = model_builder(model)
     found = predict(algorithm, workers, build, label=label,
                     network=NetworkModel(latency=latency, bandwidth=bandwidth),
@@ -294,7 +301,7 @@ def run(args: argparse.Namespace, results: Results) -> int:
                            "compute_time": compute[model], "latency": args.latency}
                     try:
                         row.update(_predict(entry, model, bandwidth, n, compute[model],
-                                            args.latency))
+                                            args.latency, args.every_worker_up_to))
                         print(f"  {model}, {bandwidth}, {n} workers, {entry}: "
                               f"{row['step_time']:.4g} s per step "
                               f"({row['real_seconds']:.1f} s to simulate)", file=sys.stderr,
@@ -398,21 +405,23 @@ def parts(predictions: list[dict[str, Any]], args: argparse.Namespace,
         summary += [f"**{m.title}**, {compute[model]:g} s of compute per step; cost: "
                     + ("MNIST CNN accuracy, points" if m.proxy == "cnn" else
                        "character transformer validation loss, nats"), ""]
+        # one row per link, one column per worker count: the table fits a screen
         rows = []
         for bandwidth in args.bandwidths:
+            row = [_gbit(bandwidth)]
             for n in args.workers:
                 cell = (model, bandwidth, n)
                 if cell not in found:
+                    row.append("-")
                     continue
-                rows.append([_gbit(bandwidth), f"{n:,}",
-                             f"{base[cell]['step_time']:.3g} s "
-                             f"({100 * base[cell]['idle_fraction']:.0f}%)",
-                             _recommended_text(found[cell], m.proxy, args),
-                             f"`gossamer bench decision --models {model} --bandwidths "
-                             f"{bandwidth} --workers {n}`"])
-        summary += markdown_table(["link", "workers", "AllReduce s / step (idle)",
-                                   "recommended: speed-up per step (cost)", "reproduce"],
-                                  rows) + [""]
+                row.append(f"AllReduce {base[cell]['step_time']:.3g} s "
+                           f"({100 * base[cell]['idle_fraction']:.0f}% idle): "
+                           + _recommended_text(found[cell], m.proxy, args))
+            rows.append(row)
+        summary += markdown_table(["link", *(f"{n:,} workers" for n in args.workers)],
+                                  rows)
+        summary += ["", f"A cell again: `gossamer bench decision --models {model} "
+                    "--bandwidths LINK --workers N`.", ""]
     rows = []
     for method in METHODS:
         rows.append([method.label, _cost_cell(method.cnn, method.cnn_source, "+.2f"),
