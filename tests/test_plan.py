@@ -151,3 +151,18 @@ def test_rows_are_written_as_each_method_finishes(tmp_path, monkeypatch):
     assert [(r["workers"], r["method"]) for r in rows] == [(4, "allreduce"), (4, "sgp"),
                                                           (8, "allreduce")]
     assert "| 8 | allreduce |" in (tmp_path / "plan.md").read_text()
+
+
+def test_a_method_simulated_worker_by_worker_is_left_out_above_the_limit(tmp_path, capsys):
+    """WAGMA is not symmetric: above --every-worker-up-to it is left out, said on stderr with
+    the flag that includes it; AllReduce (one worker for all) is predicted at every count."""
+    status = main(["plan", "--workers", "4", "8", "--model", "1M", "--algorithms",
+                   "allreduce,wagma:group_size=2", "--every-worker-up-to", "4", "--warmup",
+                   "1", "--steps", "1", "--out", str(tmp_path)])
+    assert status == 0
+    err = capsys.readouterr().err
+    assert "wagma:group_size=2 at 8 workers: left out (simulated worker by worker" in err
+    assert "--every-worker-up-to 4" in err
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert sorted((r["workers"], r["method"]) for r in rows) == [
+        (4, "allreduce"), (4, "wagma:group_size=2"), (8, "allreduce")]

@@ -24,6 +24,9 @@ DESCRIPTION = ("Predict each method's time per step, bytes per worker per step, 
 
 #: the method every speed-up is over
 BASELINE = "allreduce"
+#: above this many workers a method that is not symmetric is left out by default: simulated
+#: worker by worker, Streaming DiLoCo's all-to-all takes minutes at 32 workers and hours at 128
+EVERY_WORKER_UP_TO = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default=None,
                    help="comma-separated NAME or NAME:KEY=VALUE entries (default: every "
                    "registered method; with --compare-dir, the methods of its runs)")
+    p.add_argument("--every-worker-up-to", type=int, default=EVERY_WORKER_UP_TO, metavar="N",
+                   help="a method that is not symmetric (WAGMA, AD-PSGD, Streaming DiLoCo) is "
+                   "simulated worker by worker, at a cost that grows with the workers: it is "
+                   f"left out above N workers (default {EVERY_WORKER_UP_TO})")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones "
                    "(default 2)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
@@ -141,7 +148,7 @@ def _check_rate(arg: str, value: str | None) -> None:
                          "is refused)")
 
 
-def _admitted(entries: list[tuple[str, Any]], workers: list[int]
+def _admitted(entries: list[tuple[str, Any]], workers: list[int], every_up_to: int
               ) -> dict[int, list[tuple[str, Any]]]:
     """The entries that can be predicted at each worker count, found before any simulation
     of the model: each method is built and resolved for every worker count (a group size
@@ -164,17 +171,25 @@ def _admitted(entries: list[tuple[str, Any]], workers: list[int]
                 spec = algorithm
         except ValueError as error:
             raise ValueError(f"--algorithms {label}: {error}") from None
-        fits = []
+        fits, limited = [], []
         for n in workers:
             try:
-                algorithm.resolve(n)
+                resolved = algorithm.resolve(n)
             except ValueError as error:  # e.g. a group size that does not divide n
                 print(f"  {label} at {n} workers: left out ({error})", file=sys.stderr)
+                continue
+            if n > every_up_to and not resolved.symmetric():
+                print(f"  {label} at {n} workers: left out (simulated worker by worker, which "
+                      f"takes long above --every-worker-up-to {every_up_to}: raise it to "
+                      "include it)", file=sys.stderr)
+                limited.append(n)
                 continue
             admitted[n].append((label, spec))
             fits.append(n)
         if not fits:
-            raise ValueError(f"--algorithms {label}: fits none of --workers {workers}")
+            if not limited:
+                raise ValueError(f"--algorithms {label}: fits none of --workers {workers}")
+            continue
         try:
             predict(spec, 2 if all(n >= 2 for n in fits) else 1, lambda: transformer(4096),
                     network=NetworkModel(), compute=ComputeModel(), warmup=1, steps=1)
@@ -210,7 +225,9 @@ def plan(args: argparse.Namespace, *, on_row: Any = None) -> dict[str, Any]:
                            node_latency=args.node_latency)
     stragglers = parse_stragglers(args.straggler)
     runs = steps_to_target(args.compare_dir, args.target) if args.compare_dir else None
-    admitted = _admitted(_entries(args, runs), args.workers)
+    if args.every_worker_up_to < 1:
+        raise ValueError(f"--every-worker-up-to must be >= 1, got {args.every_worker_up_to}")
+    admitted = _admitted(_entries(args, runs), args.workers, args.every_worker_up_to)
     result = {"model": model_label, "compute_time": args.compute_time,
               "latency": args.latency, "bandwidth": network.bandwidth,
               "node_size": args.node_size, "node_bandwidth": network.node_bandwidth,
