@@ -178,7 +178,8 @@ class DGCCompressor(SparseCompressor):
     warmup_steps: int | None = option(
         None, "density warm-up: falls exponentially from 25% to ratio over these steps (the "
         "paper: 4 epochs); none: over the first quarter of the run where its length is known "
-        "(gossamer train, distribute(total_steps=N)), else no warm-up; 0: no warm-up")
+        "(gossamer train, distribute(total_steps=N)), else no warm-up; 0: no warm-up. A run "
+        "of ~100 steps stays behind AllReduce whatever the warm-up (docs/compression.md)")
     warmup_stages: int = option(4, "stages of the warm-up (the paper: one per epoch)")
     fp16_values: bool = option(True, "values as float16: 6 bytes per sent element (false: 8)")
     max_adaptations: int = option(3, "times the threshold may be lowered along the sample")
