@@ -233,6 +233,7 @@ def test_two_gloo_processes_train_the_example():
          "mydata:make_model", "--dataset", "mydata:make_dataset", "--steps", "40", "--quiet"],
         cwd=EXAMPLES, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^workers +2 \(torch.distributed\)$", done.stdout, re.MULTILINE)
+    assert re.search(r"^(\[rank 0\] )?workers +2 \(torch.distributed\)$", done.stdout,
+                     re.MULTILINE)
     accuracy = float(done.stdout.split("eval accuracy")[1].split("%")[0])
     assert accuracy > 90
