@@ -203,15 +203,9 @@ class MirrorComm(SimComm):
         if self._worker.parts:
             self._local_work()
         self._count("all_reduce")
-        n, me = self.world_size, self._rank
+        self._all_reduce_traffic(tensor)
+        n = self.world_size
         numel, esize = tensor.numel(), tensor.element_size()
-        plan = self._ring_traffic.get((numel, esize))
-        if plan is None:
-            pred = (me - 1) % n
-            plan = self._ring_traffic[(numel, esize)] = self._plan(
-                cost.ring_all_reduce_traffic(me, n, numel, esize),
-                [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, numel, esize)])
-        self._replay(plan)
         if n == 1:
             return tensor
         # every chunk leaves every rank twice but its own two: 2 (n - 1) / n of it on average
@@ -225,7 +219,7 @@ class MirrorComm(SimComm):
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        n, me = self.world_size, self._rank
+        n = self.world_size
         if self._worker.parts:
             self._local_work()
         self._count("all_gather")
@@ -241,25 +235,19 @@ class MirrorComm(SimComm):
             return total
 
         self._collective_done(("all_gather", nbytes), duration)
-        sizes = [nbytes] * n
-        pred = (me - 1) % n
-        self._record_traffic(
-            cost.ring_all_gather_traffic(me, n, sizes),
-            [(pred, b, m) for _, b, m in cost.ring_all_gather_traffic(pred, n, sizes)])
+        self._all_gather_traffic([nbytes] * n)
         self._mean((n - 1) * nbytes, n - 1)
         # each member's part is this worker's (they sent the same); copies, as SimWorld's
         return Copies(tensor, n)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        n, me = self.world_size, self._rank
+        n = self.world_size
         check_rank(src, n, "src")
         if self._worker.parts:
             self._local_work()
         self._count("broadcast")
         nbytes = tensor_nbytes(tensor)
-        self._record_traffic(
-            cost.broadcast_traffic(me, n, src, nbytes),
-            [(s, nbytes, 1) for s in cost.broadcast_sources(me, n, src)])
+        self._broadcast_traffic(src, nbytes)
         if n == 1:
             return tensor
         self._mean((n - 1) * nbytes / n, (n - 1) / n)  # n - 1 messages in the tree
@@ -272,12 +260,8 @@ class MirrorComm(SimComm):
         if self._worker.parts:
             self._local_work()
         self._count("barrier")
-        n, me = self.world_size, self._rank
-        if self._barrier_traffic is None:
-            self._barrier_traffic = self._plan(
-                cost.barrier_traffic(me, n),
-                [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))])
-        self._replay(self._barrier_traffic)
+        self._barrier_traffic_counted()
+        n = self.world_size
         if n == 1:
             return
         self._mean(0, cost.barrier_rounds(n))

@@ -851,13 +851,8 @@ class SimComm:
         with counting_paused(self):
             yield
 
-    # ---- collectives
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        if op not in ("sum", "mean"):
-            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-        if self._worker.parts:
-            self._local_work()
-        self._count("all_reduce")
+    # ---- the traffic of each collective, counted alike by SimComm and MirrorComm
+    def _all_reduce_traffic(self, tensor: torch.Tensor) -> None:
         size = (tensor.numel(), tensor.element_size())
         plan = self._ring_traffic.get(size)
         if plan is None:  # the same every step: worked out once
@@ -868,6 +863,40 @@ class SimComm:
                 [(pred, b, m) for _, b, m in cost.ring_all_reduce_traffic(pred, n, *size)],
             )
         self._replay(plan)
+
+    def _all_gather_traffic(self, sizes: list[int]) -> None:
+        n, me = self.world_size, self._rank
+        pred = (me - 1) % n
+        self._record_traffic(
+            cost.ring_all_gather_traffic(me, n, sizes),
+            [(pred, b, m) for _, b, m in cost.ring_all_gather_traffic(pred, n, sizes)],
+        )
+
+    def _broadcast_traffic(self, src: int, nbytes: int) -> None:
+        n, me = self.world_size, self._rank
+        self._record_traffic(
+            cost.broadcast_traffic(me, n, src, nbytes),
+            [(s, nbytes, 1) for s in cost.broadcast_sources(me, n, src)],
+        )
+
+    def _barrier_traffic_counted(self) -> None:
+        plan = self._barrier_traffic
+        if plan is None:  # the same at every barrier: worked out once
+            n, me = self.world_size, self._rank
+            plan = self._barrier_traffic = self._plan(
+                cost.barrier_traffic(me, n),
+                [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))],
+            )
+        self._replay(plan)
+
+    # ---- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+        if self._worker.parts:
+            self._local_work()
+        self._count("all_reduce")
+        self._all_reduce_traffic(tensor)
         if len(self._members) == 1:
             return tensor
         signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
@@ -876,7 +905,7 @@ class SimComm:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        n, me = self.world_size, self._rank
+        n = self.world_size
         if self._worker.parts:
             self._local_work()
         self._count("all_gather")
@@ -899,24 +928,17 @@ class SimComm:
         if n == 1:
             return [tensor.detach().clone()]
         sizes, parts = self._world._collective(self, "all_gather", tensor, signature, finish)
-        pred = (me - 1) % n
-        self._record_traffic(
-            cost.ring_all_gather_traffic(me, n, sizes),
-            [(pred, b, m) for _, b, m in cost.ring_all_gather_traffic(pred, n, sizes)],
-        )
+        self._all_gather_traffic(sizes)
         return parts
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        n, me = self.world_size, self._rank
+        n = self.world_size
         check_rank(src, n, "src")
         if self._worker.parts:
             self._local_work()
         self._count("broadcast")
         nbytes = tensor_nbytes(tensor)
-        self._record_traffic(
-            cost.broadcast_traffic(me, n, src, nbytes),
-            [(s, nbytes, 1) for s in cost.broadcast_sources(me, n, src)],
-        )
+        self._broadcast_traffic(src, nbytes)
         if n == 1:
             return tensor
         world = self._world
@@ -938,14 +960,7 @@ class SimComm:
         if self._worker.parts:
             self._local_work()
         self._count("barrier")
-        plan = self._barrier_traffic
-        if plan is None:  # the same at every barrier: worked out once
-            n, me = self.world_size, self._rank
-            plan = self._barrier_traffic = self._plan(
-                cost.barrier_traffic(me, n),
-                [((me - (1 << r)) % n, 0, 1) for r in range(cost.barrier_rounds(n))],
-            )
-        self._replay(plan)
+        self._barrier_traffic_counted()
         if len(self._members) == 1:
             return
         self._world._collective(self, "barrier", None, ("barrier",),
