@@ -52,11 +52,12 @@ def test_one_worker_predicts_what_every_worker_does(label, spec):
 
 def test_the_symmetric_methods_are_most_of_them():
     """The declaration matters: the collective and circulant-gossip methods are symmetric,
-    those with posted receives, random partners or an all-to-all in rank order are not."""
+    Streaming DiLoCo's all-to-all by offset is; a mailbox of receives posted rounds ahead
+    (WAGMA) and random partners (AD-PSGD) are not."""
     symmetric = {name for name in available() if create(name, None).resolve(16).symmetric()}
     assert {"allreduce", "dgc", "qsgd", "powersgd", "localsgd", "diloco", "demo", "sparta",
-            "sgp", "osgp", "dpsgd", "gossipgrad"} <= symmetric
-    assert not symmetric & {"adpsgd", "wagma", "streaming-diloco"}
+            "sgp", "osgp", "dpsgd", "gossipgrad", "streaming-diloco"} <= symmetric
+    assert not symmetric & {"adpsgd", "wagma"}
     for label, spec in parse_algorithms("sgp:topology=complete,dgc:aggregation=sparse_allreduce"):
         assert not spec.resolve(8).symmetric(), label
 
@@ -80,12 +81,42 @@ def test_a_cluster_of_unlike_workers_needs_every_worker():
 
 
 def test_a_receive_nothing_mirrors_is_refused():
-    """A receive posted with nothing sent (WAGMA's, AD-PSGD's) cannot be stood for."""
-    def worker(comm):
+    """A receive waited for before anything that mirrors it was sent (WAGMA's, AD-PSGD's)
+    cannot be stood for; nor one whose call sends to peers that do not mirror it."""
+    def waits(comm):
         comm.exchange({}, [1], recv_like=torch.zeros(4)).wait()
 
+    with pytest.raises(NotSymmetric, match="no call of this worker mirrors"):
+        MirrorWorld(4).run(waits)
+
+    def unmirrored(comm):
+        comm.exchange({1: torch.zeros(4), 2: torch.zeros(4)}, [1], recv_like=torch.zeros(4))
+
     with pytest.raises(NotSymmetric, match="sent nothing that mirrors"):
-        MirrorWorld(4).run(worker)
+        MirrorWorld(4).run(unmirrored)
+
+
+@pytest.mark.parametrize("workers", [2, 5, 8])
+def test_an_all_to_all_posted_first_is_stood_for(workers):
+    """Streaming DiLoCo's exchange (receives from every other rank posted first, then the
+    sends by offset, twice): the same virtual times as SimWorld's timing-only run of every
+    worker, which are every rank's alike."""
+    from gossamer.algorithms.streaming_diloco import ScatteredMean
+    from gossamer.comm import SimWorld
+    from gossamer.compress.lowbit import LowBit
+
+    def worker(comm):
+        mean = ScatteredMean(comm, torch.ones(1000), LowBit("int8"), {}, "x")
+        comm.compute_step()
+        mean.progress()
+        mean.wait()
+        return comm.clock()
+
+    network = NetworkModel(latency=1e-3, bandwidth="100mbit")
+    one = MirrorWorld(workers, network=network).run(worker)
+    every = SimWorld(workers, network=network, timing_only=True).run(worker)
+    assert one > 0.002
+    assert every == pytest.approx([one] * workers, rel=1e-12)
 
 
 def test_ten_thousand_workers_cost_one():
@@ -99,3 +130,19 @@ def test_ten_thousand_workers_cost_one():
     assert time.perf_counter() - started < 60
     # the ring's bytes per worker: 2 (n - 1) / n of the 4 GB of gradients (and its flags)
     assert found.bytes_per_step == pytest.approx(2 * 9_999 / 10_000 * 4e9, rel=1e-3)
+
+
+def test_control_values_follow_the_collectives_as_in_simworld():
+    """A value a program wrote (a flag, a count) comes out of a sum, a mean and a gather the
+    same in the one-worker simulation as in the timing-only simulation of every worker."""
+    def worker(comm):
+        total, mean = torch.tensor([2.0]), torch.tensor([3.0, 1.0])
+        comm.all_reduce(total, op="sum")
+        comm.all_reduce(mean, op="mean")
+        parts = comm.all_gather(torch.tensor([5], dtype=torch.int64))
+        return float(total), mean.tolist(), [int(p) for p in parts]
+
+    expected = (8.0, [3.0, 1.0], [5, 5, 5, 5])
+    assert MirrorWorld(4).run(worker) == expected
+    from gossamer.comm import SimWorld
+    assert SimWorld(4, timing_only=True).run(worker) == [expected] * 4

@@ -49,17 +49,29 @@ class Buckets:
     @torch.no_grad()
     def gather(self, tensors: Sequence[torch.Tensor | None]) -> None:
         """Copy ``tensors`` into the buckets (None counts as zeros)."""
+        views, sources = [], []
         for view, t in zip(self.views, tensors, strict=True):
             if t is None:
                 view.zero_()
             else:
-                view.copy_(t)
+                views.append(view)
+                sources.append(t)
+        _copy_all(views, sources)
 
     @torch.no_grad()
     def scatter(self, tensors: Sequence[torch.Tensor]) -> None:
         """Copy the buckets back into ``tensors``."""
-        for view, t in zip(self.views, tensors, strict=True):
-            t.copy_(view)
+        _copy_all(list(tensors), self.views)
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every i, as one call where the devices allow (a
+    model's hundreds of tensors are otherwise hundreds of calls)."""
+    if targets and len({t.device for t in (*targets, *sources)}) == 1:
+        torch._foreach_copy_(targets, sources)
+    else:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
 
 
 @torch.no_grad()

@@ -167,8 +167,8 @@ class StreamingDiLoCo(DiLoCo):
                                  "constant period, its own precision); use diloco")
 
     def symmetric(self) -> bool:
-        # an all-to-all in rank order: its messages arrive at a different time on every rank
-        return False
+        # every rank sends its all-to-all by offset (ScatteredMean): a rotation of rank 0's
+        return True
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> StreamingDiLoCoRuntime:
@@ -299,9 +299,12 @@ class ScatteredMean:
     Each of the n workers owns one of n equal chunks (the vector padded with zeros): first
     every worker sends chunk j, encoded by ``codec``, to worker j; worker j adds the decoded
     chunks in rank order (its own included, as decoded), divides by n, encodes the mean and
-    sends it to everyone. ``residuals`` (a dict kept by the caller) holds each worker's
-    encoding errors, added to what it next encodes under the same key: ``(key, "sent")`` for
-    the whole vector, ``(key, "mean")`` for the chunk it owns.
+    sends it to everyone. A worker sends to the others in the order of their offset from it
+    (``rank + 1``, ``rank + 2``, ...), as an all-to-all is scheduled: no worker is everyone's
+    first, every rank's messages arrive alike, and one worker can stand for all in the
+    planner (:mod:`gossamer.comm.mirror`). ``residuals`` (a dict kept by the caller) holds
+    each worker's encoding errors, added to what it next encodes under the same key:
+    ``(key, "sent")`` for the whole vector, ``(key, "mean")`` for the chunk it owns.
     """
 
     def __init__(self, comm: Communicator, vector: torch.Tensor, codec: LowBit,
@@ -324,7 +327,7 @@ class ScatteredMean:
         decoded = torch.stack([codec.decode(p, self.chunk) for p in payloads]) if n else parts
         self.residuals[(key, "sent")] = padded - decoded.reshape(-1)
         self.own = decoded[me]
-        self.others = [r for r in range(n) if r != me]
+        self.others = [(me + k) % n for k in range(1, n)]  # by offset
         self.mean: torch.Tensor | None = None
         self.phase = 1
         if n == 1:

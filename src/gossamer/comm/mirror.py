@@ -17,18 +17,20 @@ other ranks made the same call at the same moment:
 - a message received from peer ``q`` is the peer's copy of one this worker sent in the same
   call: the only one it sent, or, with several, the one to ``2 * rank - q`` (the peers are a
   rotation of the ranks, as on a circulant graph); it left at the same time and arrives when
-  that one arrives.
+  that one arrives. A receive posted in a call that sends nothing (an all-to-all that posts
+  its receives first) is filled by the first later call that sends to ``2 * rank - q``.
 
 The cost of a prediction thus no longer grows with the number of workers, beyond what the
 method's own code does per member (an all-gather's parts). The bytes are the mean over the
 workers (:attr:`MirrorWorld.mean_bytes_sent`): a ring all-reduce's chunks differ by an element
 between ranks, a broadcast's tree sends from some ranks only.
 
-A call that does not fit (a receive posted with nothing sent, several sends none of which
-mirrors the peer, a membership change, a fault) raises :class:`NotSymmetric`: the method is
-then not symmetric, and :func:`gossamer.plan.predict` simulates every worker. Which methods
-are symmetric is declared (:meth:`gossamer.algorithms.Algorithm.symmetric`) and tested: their
-predictions here equal the full timing-only simulator's at 16 workers (tests/test_timing_sim.py).
+A call that does not fit (a receive waited for that nothing sent mirrors, several sends
+none of which mirrors the peer, a membership change, a fault) raises :class:`NotSymmetric`:
+the method is then not symmetric, and :func:`gossamer.plan.predict` simulates every worker.
+Which methods are symmetric is declared (:meth:`gossamer.algorithms.Algorithm.symmetric`) and
+tested: their predictions here equal the full timing-only simulator's at 16 workers
+(tests/test_mirror.py).
 
 Example::
 
@@ -176,6 +178,11 @@ class MirrorComm(SimComm):
 
     _world: MirrorWorld  # type: ignore[assignment]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: receives posted with nothing sent in their call, by source: see _fill_posted
+        self._posted: list[tuple[int, _Slot]] = []
+
     def _collective_done(self, key: Hashable, duration: Callable[[], float]) -> None:
         """This worker and every other member arrive now; the collective ends ``duration()``
         later (kept by ``key``), as SimWorld's does when its last member arrives."""
@@ -211,11 +218,12 @@ class MirrorComm(SimComm):
         # every chunk leaves every rank twice but its own two: 2 (n - 1) / n of it on average
         self._mean(2 * numel * (n - 1) * esize / n, 2 * (n - 1))
         network, members = self._world.network, self._members
-        # The values: every member holds the same, and SimWorld's sum leaves the values a
-        # program wrote into a tensor (the control values of the timing-only mode) as they
-        # were, so nothing changes here either.
         self._collective_done(("all_reduce", numel, esize), lambda: cost.ring_all_reduce_time(
             n, numel, esize, network, members))
+        # The values: every member holds the same; SimWorld's sum follows the values a program
+        # wrote into a tensor (the control values of the timing-only mode), so here too
+        if op == "sum":
+            tensor.mul_(n)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -295,6 +303,11 @@ class MirrorComm(SimComm):
         slots = []
         n, me = self.world_size, self._rank
         for src in recv_from:
+            slot = _Slot(self._members[src])
+            slots.append(slot)
+            if not sent:  # posted first (an all-to-all): filled by the sends that follow
+                self._posted.append((src, slot))
+                continue
             if len(sent) == 1:  # the peer's copy of this worker's one message
                 tensor, arrival = next(iter(sent.values()))
             elif (2 * me - src) % n in sent:  # a rotation: src sent to me as I sent to 2me-src
@@ -302,8 +315,24 @@ class MirrorComm(SimComm):
             else:
                 raise NotSymmetric(
                     f"{name}: rank {me} receives from {src} but sent nothing that mirrors it")
-            slots.append(_Slot(self._members[src], tensor.detach().clone(), arrival))
+            slot.tensor, slot.arrival = tensor.detach().clone(), arrival
+        if sent and self._posted:
+            self._fill_posted(sent)
         return _SimHandle(self, slots, sends_done, like, name, counted)
+
+    def _fill_posted(self, sent: Mapping[int, tuple[torch.Tensor, float]]) -> None:
+        """Complete the receives posted before these sends whose message they mirror: the one
+        from ``src`` is the peer's copy of what this worker sent to ``2 * rank - src`` (the
+        others stay posted; one waited for unfilled raises :class:`NotSymmetric`)."""
+        n, me = self.world_size, self._rank
+        waiting = []
+        for src, slot in self._posted:
+            mirror = sent.get((2 * me - src) % n)
+            if mirror is None:
+                waiting.append((src, slot))
+            else:
+                slot.tensor, slot.arrival = mirror[0].detach().clone(), mirror[1]
+        self._posted = waiting
 
     def group(self, ranks: Sequence[int]) -> MirrorComm:
         group = super().group(ranks)

@@ -311,9 +311,11 @@ class SizeOnlyMode(TorchDispatchMode):
         tensors = _tensors(args, kwargs)
         inputs = {_key(a) for a in tensors}
         out = self.call(func, args, kwargs)
-        if inputs.isdisjoint(self.known) and not func._schema.is_mutable:
+        known = self.known  # (a set's isdisjoint walks the dict, not the few inputs)
+        if not any(k in known for k in inputs):
             # nothing known flows in: the outputs are new storages with nothing known (one
-            # that reuses a dead storage's address must not inherit its values)
+            # that reuses a dead storage's address must not inherit its values), or inputs
+            # written in place, of which nothing was known either
             for o in _outputs(out):
                 self.known.pop(_key(o), None)
             return out
@@ -472,6 +474,20 @@ def _copy(mode: SizeOnlyMode, func, args, kwargs):
     return out
 
 
+def _foreach_copy(mode: SizeOnlyMode, func, args, kwargs):
+    """``torch._foreach_copy_``: one meta call when no known value is copied or overwritten,
+    else each pair as ``copy_``, its known values followed."""
+    dsts, srcs = args[0], args[1]
+    known = mode.known
+    if all(t.is_meta for t in srcs) and not (
+            known and any(_key(t) in known for t in (*dsts, *srcs))):
+        # run, not remembered: meta copies cost less than reading the lists' metadata
+        return func(*args, **kwargs)
+    for dst, src in zip(dsts, srcs, strict=True):
+        _copy(mode, aten.copy_.default, (dst, src), {})
+    return None
+
+
 def _cat(mode: SizeOnlyMode, func, args, kwargs):
     (tensors, *rest), kwargs = mode._to_meta(tuple(args), kwargs)
     out = func(tensors, *rest, **kwargs)
@@ -522,6 +538,7 @@ _HANDLERS = {
     aten._to_copy.default: _to_copy,
     aten.clone.default: _clone,
     aten.copy_.default: _copy,
+    aten._foreach_copy_.default: _foreach_copy,
     aten.cat.default: _cat,
     aten.fill_.Scalar: _fill,
     aten.nonzero.default: _nonzero,

@@ -44,7 +44,7 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
         torch.manual_seed(0)  # the same initial replica everywhere, without a broadcast
         model = build()
     params = [p for p in model.parameters() if p.requires_grad]
-    inner = torch.optim.SGD(params, lr=lr, momentum=0.9)
+    inner = torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=True)  # one call a step
     optimizer = gossamer.distribute(model, inner, algorithm, comm, broadcast=False)
     generator = torch.Generator().manual_seed(1000 + comm.rank)
     fixed = None if size_only else [torch.randn(p.shape, generator=generator) * 1e-3
