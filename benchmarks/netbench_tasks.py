@@ -477,8 +477,8 @@ def time_to_accuracy_all(comm, algorithms: list[str], **kwargs: Any) -> dict[str
 
 
 def allreduce_vs_ddp(comm, **kwargs: Any) -> dict[str, Any]:
-    """:func:`benchmarks.allreduce_vs_ddp.compare` on this rank."""
-    from benchmarks.allreduce_vs_ddp import compare
+    """:func:`benchmarks.ddp_compare.compare` on this rank."""
+    from benchmarks.ddp_compare import compare
 
     return compare(comm, **kwargs)
 

@@ -73,7 +73,7 @@ class Settings:
     p2p_sizes: tuple[int, ...] = (MB, 10 * MB)
     reps: tuple[tuple[int, int], ...] = ((4096, 10), (65536, 10), (MB, 5), (10 * MB, 5),
                                          (100 * MB, 3))
-    mtu: int = 9000  # bytes per frame on every link of every part
+    mtu: int = network_report.DEFAULT_MTU  # bytes per frame on every link of every part
     # (a) also with these frame sizes, for one all-reduce size at the largest worker count
     mtu_compare: tuple[int, ...] = (1500, 65535)
     mtu_compare_size: int = 100 * MB

@@ -14,6 +14,7 @@ from benchmarks.network_model import all_reduce_model, nominal_network
 from gossamer.bench import new_figure
 
 MB = 10**6
+DEFAULT_MTU = 9000  # bytes per frame on the suite's links unless --mtu says otherwise
 SIM_TARGET = 0.15  # (c): predicted time per step within 15% of the measured
 SPEEDUP_FLAG = 0.20  # emulated and predicted speed-ups that differ by more are flagged
 
@@ -46,9 +47,7 @@ def _pct(x: float) -> str:
 def plots(parts: dict[str, Any], settings, folder: Path) -> list[Path]:
     """Write the figures of the parts that are there; their paths. Frames other than the
     suite's default size name their figures apart (``network_steps_mtu65535.png``)."""
-    from benchmarks.network import Settings
-
-    tail = "" if settings.mtu == Settings.mtu else f"_mtu{settings.mtu}"
+    tail = "" if settings.mtu == DEFAULT_MTU else f"_mtu{settings.mtu}"
     out = []
     if parts.get("a"):
         out.append(_plot_collectives(parts["a"], folder / f"network_collectives{tail}.png"))

@@ -8,7 +8,7 @@ import pytest
 
 import gossamer.train.loop as loop
 from gossamer.train.config import TrainConfig
-from gossamer.train.loop import run_training
+from gossamer.train.run import run_training
 
 
 class Crash(RuntimeError):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gossamer.cli import main, summary_text
-from gossamer.train.loop import TrainConfig, run_training
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
 
 
 def test_default_training_reaches_90_percent_on_digits():

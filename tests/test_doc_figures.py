@@ -1,4 +1,4 @@
-"""The figure style (gossamer.bench.report), the planner's figures (gossamer.plan.figure) and
+"""The figure style (gossamer.train.style), the planner's figures (gossamer.plan.figure) and
 `gossamer bench report`, which regenerates the documentation's figures beside their tables."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import gossamer.bench.report as style
+import gossamer.train.style as style
 from gossamer.cli import main
 from gossamer.plan.figure import bandwidth_table, plot, plot_bandwidth, rate_label
 

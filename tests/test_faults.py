@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gossamer.train.loop as loop
+import gossamer.train.run as run
 from gossamer.algorithms import create
 from gossamer.algorithms.nonfinite import NonFiniteError, flag_words, ranks_from_flags, set_flag
 from gossamer.api import distribute
@@ -158,7 +159,7 @@ def _run_sim(timeout: float = 10.0, **settings):
                          **settings)
     world = SimWorld(4, seed=0, timeout=timeout)
     try:
-        world.run(loop.train_worker, config, loop.prepare(config))
+        world.run(loop.train_worker, config, run.prepare(config))
     except SimulationError as error:
         return world, error.failures
     return world, {}

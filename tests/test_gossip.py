@@ -18,7 +18,8 @@ from gossamer.topology import (
     random_regular,
     ring,
 )
-from gossamer.train.loop import TrainConfig, run_training
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
 
 # ---------------------------------------------------------------------------- push-sum
 

@@ -16,7 +16,8 @@ from gossamer.algorithms.gossipgrad import GradientGossip
 from gossamer.comm import SimWorld
 from gossamer.hooks import GossipGraDState, gossipgrad_hook
 from gossamer.topology import GossipGradSchedule
-from gossamer.train.loop import TrainConfig, run_training
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
 
 # ---------------------------------------------------------------------------- the schedule
 

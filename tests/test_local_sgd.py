@@ -15,7 +15,7 @@ import gossamer
 from gossamer.algorithms import QSR, AllReduce, LocalSGD
 from gossamer.comm import SimWorld
 from gossamer.train.config import TrainConfig, learning_rate
-from gossamer.train.loop import run_training
+from gossamer.train.run import run_training
 
 
 def _model() -> nn.Module:

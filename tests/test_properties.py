@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from gossamer.algorithms.registry import available, lookup
 from gossamer.topology.builders import TOPOLOGIES
-from gossamer.train.loop import TrainConfig, run_training
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
 
 REAL_SECONDS = 60  # one draw may take this long before it counts as hung
 

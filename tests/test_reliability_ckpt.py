@@ -32,7 +32,8 @@ from gossamer.train import checkpoint as ckpt
 from gossamer.train.agreement import check_agreement, describe_run, flatten
 from gossamer.train.config import TrainConfig
 from gossamer.train.data import load_dataset
-from gossamer.train.loop import elastic_restart, run_training, train_worker
+from gossamer.train.loop import train_worker
+from gossamer.train.run import elastic_restart, run_training
 
 # ------------------------------------------------------------------------------ checkpoints
 

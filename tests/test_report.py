@@ -265,7 +265,7 @@ def _overlap(a, b) -> bool:
 
 def _drawn_figures(monkeypatch) -> list:
     """The figures that gossamer saves from now on, kept for inspection."""
-    import gossamer.bench.report as style
+    import gossamer.train.style as style
 
     figures, save = [], style.save_figure
     monkeypatch.setattr(style, "save_figure",

@@ -15,7 +15,7 @@ import gossamer.train.loop as loop
 from gossamer.cli import main
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig, learning_rate, load_recipe
-from gossamer.train.loop import run_training
+from gossamer.train.run import run_training
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

@@ -12,7 +12,7 @@ from gossamer.algorithms import DPSGD, WAGMA
 from gossamer.algorithms.wagma import WAGMARuntime
 from gossamer.comm import ComputeModel, SimWorld
 from gossamer.train.config import TrainConfig
-from gossamer.train.loop import run_training
+from gossamer.train.run import run_training
 
 
 def _model() -> nn.Module:

@@ -49,7 +49,7 @@ def _or_nan(value: float | None) -> float:
 
 
 def _summary_rows(result: dict) -> list[tuple[str, str]]:
-    from gossamer.train.loop import format_bytes
+    from gossamer.train.metrics import format_bytes
     from gossamer.train.report import final_consensus
 
     clock = "simulated" if result["mode"] == "simulated" else "real"

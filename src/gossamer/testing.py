@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import traceback
@@ -33,7 +32,12 @@ from multiprocessing import spawn as mp_spawn
 from pathlib import Path
 from typing import Any
 
-from gossamer.comm.environment import BACKEND_VARIABLE, torchrun_variables, without_launcher
+from gossamer.comm.environment import (
+    BACKEND_VARIABLE,
+    free_port,
+    torchrun_variables,
+    without_launcher,
+)
 from gossamer.launch.supervisor import Supervisor
 
 __all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo", "state_tensors"]
@@ -42,13 +46,6 @@ _LINGER = 10.0  # seconds the others get to report once one rank failed: they us
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when the children are stopped
 # what each child runs: its spawn folder and rank follow on the command line
 _CHILD = "from gossamer.testing import _child_main; _child_main()"
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _returned(folder: Path, rank: int) -> Path:

@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.buckets import apply_flat
 from gossamer.algorithms.nonfinite import (
     NonFiniteError,
     all_finite,
@@ -34,6 +33,7 @@ from gossamer.algorithms.nonfinite import (
 )
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.buckets import apply_flat
 
 
 class Algorithm(ABC):

@@ -54,10 +54,10 @@ from torch import nn
 
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
-from gossamer.algorithms.buckets import Buckets, apply_flat
 from gossamer.algorithms.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.buckets import Buckets, apply_flat
 from gossamer.compress.base import Compressor, Memory, value_dtype
 from gossamer.compress.cast import NoCompression
 from gossamer.compress.dgc import DGCMemory

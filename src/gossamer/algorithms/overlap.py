@@ -45,7 +45,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from gossamer.algorithms.buckets import Buckets, layout
 from gossamer.algorithms.nonfinite import (
     all_finite,
     describe_nonfinite,
@@ -53,6 +52,7 @@ from gossamer.algorithms.nonfinite import (
     set_flag,
 )
 from gossamer.comm.base import Communicator, without_grad
+from gossamer.comm.buckets import Buckets, layout
 from gossamer.compress.reducer import CompressedReducer
 
 #: id(parameter) -> (the parameter, the BackwardSchedule whose hook it carries), both weakly

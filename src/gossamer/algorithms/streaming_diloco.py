@@ -76,11 +76,11 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import average_tensors
-from gossamer.algorithms.buckets import apply_flat
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
 from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.buckets import apply_flat
 from gossamer.comm.state import broadcast_object
 from gossamer.compress.lowbit import PRECISIONS, LowBit
 from gossamer.options import option

@@ -6,9 +6,9 @@ A benchmark is a module ``benchmarks/NAME.py`` of a source checkout with
 """
 
 from gossamer.bench.models import mlp
-from gossamer.bench.report import markdown_table, new_figure
 from gossamer.bench.results import Results, machine
 from gossamer.bench.steps import StepTimes, sgd_step, timed_steps
+from gossamer.train.style import markdown_table, new_figure
 
 __all__ = ["Results", "StepTimes", "machine", "markdown_table", "mlp", "new_figure",
            "sgd_step", "timed_steps"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -40,6 +41,7 @@ __all__ = [
     "LAUNCHER_VARIABLES",
     "LaunchEnv",
     "expand_nodelist",
+    "free_port",
     "launch_env_from",
     "launched",
     "launched_rank",
@@ -95,6 +97,13 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     source: Source
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picked it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _launcher_of(environ: Mapping[str, str]) -> _Launcher | None:

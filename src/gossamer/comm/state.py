@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from gossamer.algorithms.buckets import apply_flat
 from gossamer.comm.base import Communicator
+from gossamer.comm.buckets import apply_flat
 
 __all__ = ["broadcast_object", "decode", "encode"]
 

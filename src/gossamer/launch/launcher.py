@@ -175,7 +175,7 @@ def _watch(workers: Supervisor, guard: SignalGuard, output: Output) -> tuple[int
 
 def _run_local(train_args: list[str], nproc: int, env: dict[str, str], guard: SignalGuard,
                grace: float, output: Output, max_restarts: int = 0) -> int:
-    from gossamer.testing import free_port
+    from gossamer.comm.environment import free_port
 
     for attempt in range(max_restarts + 1):
         port = free_port()  # a fresh rendezvous: rank 0 hosts a new store
@@ -247,7 +247,7 @@ def _network_report(net: Network, before: list[dict[str, int]],
 
 
 def _print_traffic(report: dict[str, Any], output: Output) -> None:
-    from gossamer.train.loop import format_bytes
+    from gossamer.train.metrics import format_bytes
 
     lines = ["traffic on the emulated links (frames with their headers, whole run):"]
     for r in report["ranks"]:

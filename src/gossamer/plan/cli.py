@@ -268,7 +268,7 @@ def _speed_ups(rows: list[dict[str, Any]]) -> None:
 
 def table(result: dict[str, Any]) -> list[str]:
     """The markdown lines of plan.md's table."""
-    from gossamer.bench.report import markdown_table
+    from gossamer.train.style import markdown_table
 
     target = result.get("target")
     header = ["workers", "method", "s / step", "speed-up over AllReduce",

@@ -1,4 +1,4 @@
-"""The planner's figures, in gossamer's figure style (:mod:`gossamer.bench.report`).
+"""The planner's figures, in gossamer's figure style (:mod:`gossamer.train.style`).
 
 - :func:`plot`: one plan (what :func:`gossamer.plan.cli.plan` returns): each method's predicted
   step time and speed-up over AllReduce against the worker count;
@@ -49,7 +49,7 @@ def _speed_up(row: dict[str, Any] | None) -> float:
 def plot(result: dict[str, Any], path: Path) -> None:
     """Step time and speed-up over AllReduce against the worker count, one line per method;
     the legend to the right, worker counts labelled as numbers."""
-    from gossamer.bench.report import (
+    from gossamer.train.style import (
         legend_outside,
         new_figure,
         readable_log_axis,
@@ -96,7 +96,7 @@ def plot_bandwidth(results: Sequence[dict[str, Any]], path: Path) -> None:
     more than a factor of 10."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    from gossamer.bench.report import (
+    from gossamer.train.style import (
         legend_outside,
         new_figure,
         readable_log_axis,
@@ -141,7 +141,7 @@ def plot_bandwidth(results: Sequence[dict[str, Any]], path: Path) -> None:
 def bandwidth_table(results: Sequence[dict[str, Any]]) -> list[str]:
     """The markdown lines of :func:`plot_bandwidth`'s numbers: a row per worker count and
     method, a column per bandwidth, each cell the speed-up over AllReduce and the step time."""
-    from gossamer.bench.report import markdown_table
+    from gossamer.train.style import markdown_table
 
     results = _by_bandwidth(results)
     rows = [r for result in results for r in result["rows"]]

@@ -15,7 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "model_builder", "parameter_count", "resnet50", "transformer"]
+__all__ = ["DIGITS_MLP", "MODELS", "mlp", "model_builder", "parameter_count", "resnet50",
+           "transformer"]
 
 
 class _Shapes(nn.Module):
@@ -77,9 +78,33 @@ def transformer(parameters: int) -> nn.Module:
     return _Shapes(layers)
 
 
-def _digits_mlp() -> nn.Module:
-    from gossamer.bench.models import DIGITS_MLP, mlp
+DIGITS_MLP = (64, 128, 10)  # 9,610 parameters: the digits task's MLP
 
+
+def mlp(*widths: int) -> nn.Sequential:
+    """An MLP of ``widths`` (Linear layers with a ReLU between them), initialised from
+    ``torch.manual_seed(0)``.
+
+    Every worker that builds it starts from the same model, as a broadcast would give. The
+    global generator is seeded on purpose: some benchmarks then draw their fixed batch from it,
+    and their published figures were measured that way.
+
+    Example::
+
+        model = mlp(*DDP_MLP)  # 784-1024-256-10
+    """
+    if len(widths) < 2:
+        raise ValueError(f"widths must name at least an input and an output, got {widths}")
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def _digits_mlp() -> nn.Module:
     return mlp(*DIGITS_MLP)
 
 

@@ -44,7 +44,7 @@ from gossamer.train.metrics import (
 )
 from gossamer.train.models import build_model, resolve_model
 
-__all__ = ["TrainConfig", "evaluate", "run_training", "train_worker"]
+__all__ = ["evaluate", "train_worker"]
 
 
 def _to_safe(obj: Any) -> Any:
@@ -421,16 +421,3 @@ def _save(comm, config, model, optimizer, runtime, sampler, step, counters) -> N
     else:
         ckpt.save_checkpoint(comm, config.run_dir, step, {**shard, **state}, keep=keep)
 
-
-# The names this module held before it was split by concern.
-from gossamer.train.run import (  # noqa: E402
-    check_resume,
-    check_shards,
-    elastic_restart,
-    launched_by_launcher,
-    prepare,
-    run_training,
-)
-
-__all__ += ["check_resume", "check_shards", "elastic_restart", "launched_by_launcher",
-            "prepare", "format_bytes", "loss_fn", "learning_rate", "build_model"]

@@ -237,7 +237,7 @@ def plot_metric(runs: Sequence[RunMetrics], metric: str, against: str, path: str
     """Draw ``metric`` (``"loss"`` or ``"accuracy"``) of each run against ``against``
     (``"steps"``, ``"wall_clock"`` or ``"bytes"``) to the PNG ``path``; return it.
 
-    In gossamer's figure style (:mod:`gossamer.bench.report`): each run in its method's
+    In gossamer's figure style (:mod:`gossamer.train.style`): each run in its method's
     colour, marker and line style, the legend beside the data. On a loss plot the eval loss of
     the averaged model is the full line with markers and, with ``train``, the train loss a thin
     faint line in the same style; the loss axis is log where the losses span more than a
@@ -247,7 +247,7 @@ def plot_metric(runs: Sequence[RunMetrics], metric: str, against: str, path: str
     # Imported here so that reading metrics and the CLI do not pay for matplotlib.
     from matplotlib.lines import Line2D
 
-    from gossamer.bench.report import (
+    from gossamer.train.style import (
         legend_outside,
         loss_axis,
         new_figure,
@@ -324,8 +324,8 @@ def plot_metric(runs: Sequence[RunMetrics], metric: str, against: str, path: str
 def loss_scale(losses: Sequence[float]) -> str:
     """``"log"`` when the losses span more than a decade (16 curves from 2.3 down to 0.1
     pile up near 0 on a linear axis; a diverged run would flatten every other curve), else
-    ``"linear"``: :func:`gossamer.bench.report.loss_scale`."""
-    from gossamer.bench.report import loss_scale as scale
+    ``"linear"``: :func:`gossamer.train.style.loss_scale`."""
+    from gossamer.train.style import loss_scale as scale
 
     return scale(losses)
 
