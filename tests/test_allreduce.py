@@ -309,7 +309,7 @@ def test_the_averaged_flags_name_every_rank_with_a_non_finite_gradient(dtype):
     """The buckets are averaged (op="mean"), the non-finite flags with them: at 47 workers
     (three flag words) every worker names exactly the ranks whose gradient was NaN, those at
     the words' edges included."""
-    from gossamer.algorithms.nonfinite import NonFiniteError
+    from gossamer.patterns.nonfinite import NonFiniteError
 
     bad = [0, 21, 22, 43, 44, 46]
 

@@ -18,9 +18,9 @@ from torch import nn
 import gossamer
 from gossamer.algorithms import DeMo, create
 from gossamer.algorithms.demo import ChunkedDCT
-from gossamer.algorithms.nonfinite import NonFiniteError
 from gossamer.comm import SimWorld
 from gossamer.comm.cost import ring_all_gather_traffic
+from gossamer.patterns.nonfinite import NonFiniteError
 
 N, IN, OUT, ROWS, STEPS = 4, 12, 6, 5, 12
 LRS = [0.02 * 0.9**k for k in range(STEPS)]

@@ -22,10 +22,12 @@ from torch import nn
 import gossamer
 from gossamer.algorithms import AllReduce, LocalSGD, create
 from gossamer.algorithms.diloco import DiLoCo
-from gossamer.algorithms.streaming_diloco import ScatteredMean, StreamingDiLoCo, split_fragments
+from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.comm import SimWorld
 from gossamer.comm.network import NetworkModel
 from gossamer.compress.lowbit import LowBit
+from gossamer.patterns.fragments import split_fragments
+from gossamer.patterns.scattered import ScatteredMean
 
 N = 4
 ATOL = 1e-6

@@ -23,7 +23,6 @@ from torch import nn
 import gossamer.train.loop as loop
 import gossamer.train.run as run
 from gossamer.algorithms import create
-from gossamer.algorithms.nonfinite import NonFiniteError, flag_words, ranks_from_flags, set_flag
 from gossamer.api import distribute
 from gossamer.cli import main
 from gossamer.comm import CommError, CommTimeoutError, SimWorld
@@ -37,6 +36,7 @@ from gossamer.comm.faults import (
 )
 from gossamer.comm.sim import SimulationError
 from gossamer.compress import ErrorFeedback
+from gossamer.patterns.nonfinite import NonFiniteError, flag_words, ranks_from_flags, set_flag
 from gossamer.testing import free_port, spawn_gloo, state_tensors
 from gossamer.train.config import TrainConfig, load_recipe
 

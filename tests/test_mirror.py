@@ -101,9 +101,9 @@ def test_an_all_to_all_posted_first_is_stood_for(workers):
     """Streaming DiLoCo's exchange (receives from every other rank posted first, then the
     sends by offset, twice): the same virtual times as SimWorld's timing-only run of every
     worker, which are every rank's alike."""
-    from gossamer.algorithms.streaming_diloco import ScatteredMean
     from gossamer.comm import SimWorld
     from gossamer.compress.lowbit import LowBit
+    from gossamer.patterns.scattered import ScatteredMean
 
     def worker(comm):
         mean = ScatteredMean(comm, torch.ones(1000), LowBit("int8"), {}, "x")

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
-from gossamer.algorithms.nonfinite import agree, all_finite
+from gossamer.patterns.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
 
@@ -136,7 +136,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     With a ``torch.amp.GradScaler`` (:attr:`scaler`, given to :func:`distribute`),
     ``scaler.step(optimizer)`` calls ``step()`` on every worker, also on one whose scaled
     gradients overflowed: ``step()`` unscales the gradients, the workers agree whether any
-    overflowed (see :mod:`gossamer.algorithms.nonfinite`), and if one did, every worker skips
+    overflowed (see :mod:`gossamer.patterns.nonfinite`), and if one did, every worker skips
     the step as a whole and reports the overflow to its scaler, so that ``scaler.update()``
     lowers every worker's scale alike.
     """
@@ -365,9 +365,9 @@ def distribute(
         broadcast: copy rank 0's parameters and buffers to every worker first, so that all
             replicas start equal (default True, as DDP does).
         nonfinite: what a NaN or infinite gradient or parameter does, found before it is sent:
-            ``"raise"`` (default: a :class:`~gossamer.algorithms.nonfinite.NonFiniteError`
+            ``"raise"`` (default: a :class:`~gossamer.patterns.nonfinite.NonFiniteError`
             naming the rank and step) or ``"skip"`` (the update is skipped); see
-            :mod:`gossamer.algorithms.nonfinite` for which algorithms agree on it.
+            :mod:`gossamer.patterns.nonfinite` for which algorithms agree on it.
         scaler: the ``torch.amp.GradScaler`` whose ``step()`` and ``update()`` the training
             loop calls with this optimizer (default None: none). The workers then agree on
             every overflow of the scaled gradients and skip the same steps, and their scales

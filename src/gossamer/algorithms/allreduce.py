@@ -16,7 +16,7 @@ backward, in reverse registration order, as soon as their gradients are ready (`
 Non-finite gradients: a worker that has one sends zeros in its place and sets its bit in flags
 that ride at the end of the step's reduction (one more float32: no message of their own), so
 every worker learns who it was, and all raise or all skip the step
-(:mod:`gossamer.algorithms.nonfinite`); the values are never sent nor compressed. Under a
+(:mod:`gossamer.patterns.nonfinite`); the values are never sent nor compressed. Under a
 GradScaler the same bits tell every worker of an overflow: all skip, none raises.
 
 Reference: Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017).
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.algorithms.nonfinite import (
+from gossamer.patterns.nonfinite import (
     flag_words,
     ranks_from_flags,
 )
-from gossamer.algorithms.overlap import CompressedBuckets, GradientBuckets
+from gossamer.patterns.overlap import CompressedBuckets, GradientBuckets
 from gossamer.comm.base import Communicator, without_grad
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import (
@@ -93,7 +93,7 @@ class AllReduce(Algorithm):
             compressed gradients in the order of their names instead, whatever the
             registration order. With a compressor, gradient accumulation needs
             :meth:`~gossamer.api.DistributedOptimizer.no_sync`. See
-            :mod:`gossamer.algorithms.overlap`.
+            :mod:`gossamer.patterns.overlap`.
 
     Example::
 
@@ -192,7 +192,7 @@ class AllReduceRuntime(Runtime):
         bucket_bytes = int(config.bucket_mb * 2**20)
         self.reducer: CompressedReducer | None = None
         self._found: str | None = None  # this step's non-finite gradients (error messages)
-        # the non-finite agreement: one bit per rank (see gossamer.algorithms.nonfinite)
+        # the non-finite agreement: one bit per rank (see gossamer.patterns.nonfinite)
         device = self.params[0].device if self.params else torch.device("cpu")
         dtype = self.params[0].dtype if self.params else torch.float32
         if dtype not in (torch.float32, torch.float64):  # sums of bits stay exact in these

@@ -8,7 +8,7 @@ and acts at explicit points of a training step:
 1. ``before_forward`` — e.g. SGP's de-biasing of the parameters;
 2. ``check_gradients`` and ``after_backward`` — gradient-level methods (AllReduce, DGC,
    GossipGraD); either may set ``skip_update`` for non-finite gradients
-   (:mod:`gossamer.algorithms.nonfinite`);
+   (:mod:`gossamer.patterns.nonfinite`);
 3. the wrapped ``torch.optim`` optimizer steps (algorithms never re-implement SGD or Adam),
    unless ``skip_update``;
 4. ``after_step`` — parameter-level methods (SGP, D-PSGD, local SGD, WAGMA).
@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from gossamer.algorithms.nonfinite import (
+from gossamer.patterns.nonfinite import (
     NonFiniteError,
     all_finite,
     check_policy,
@@ -92,7 +92,7 @@ class Runtime:
     replicas_identical: ClassVar[bool] = False
     #: True when the workers agree on non-finite gradients on a collective the step makes
     #: anyway (the all-reduce methods); under a GradScaler the others agree with a small
-    #: all-reduce of their own (see gossamer.algorithms.nonfinite).
+    #: all-reduce of their own (see gossamer.patterns.nonfinite).
     agrees_on_gradients: ClassVar[bool] = False
 
     def __init__(self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer):
@@ -107,7 +107,7 @@ class Runtime:
         #: from the batches training uses, where the loop has the data (``gossamer train``
         #: does); local SGD re-estimates BatchNorm statistics with them
         self.training_inputs: Callable[[int], Iterable[torch.Tensor]] | None = None
-        # non-finite values (see gossamer.algorithms.nonfinite)
+        # non-finite values (see gossamer.patterns.nonfinite)
         self.nonfinite = "raise"  # the policy, "raise" or "skip"
         self.skip_update = False  # this step: the wrapped optimizer must not step
         # this step under a GradScaler: whether it found the scaled gradients here non-finite

@@ -43,7 +43,7 @@ otherwise; the reference sends int64) and one of the values (the parameters' dty
 messages for the whole model (the reference sends two per tensor). One more value rides at the
 end of the values: this worker's non-finite flag, so that every worker learns who had a
 non-finite gradient and all raise or all skip the step, which leaves every momentum as it was
-(see :mod:`gossamer.algorithms.nonfinite`).
+(see :mod:`gossamer.patterns.nonfinite`).
 
 References: Bowen Peng, Jeffrey Quesnelle, Diederik P. Kingma, "DeMo: Decoupled Momentum
 Optimization", arXiv:2411.19870 (2024), Algorithm 1; their code, github.com/bloc97/DeMo
@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.algorithms.nonfinite import all_finite, describe_nonfinite
+from gossamer.patterns.nonfinite import all_finite, describe_nonfinite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.mirror import Copies

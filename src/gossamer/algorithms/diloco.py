@@ -52,7 +52,7 @@ from torch import nn
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime, compression_argument
 from gossamer.algorithms.base import average_tensors
 from gossamer.algorithms.local_sgd import QSR, LocalSGD, LocalSGDRuntime, optimizer_state_tensors
-from gossamer.algorithms.nonfinite import all_finite
+from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat

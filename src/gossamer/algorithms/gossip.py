@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime, average_tensors
-from gossamer.algorithms.nonfinite import all_finite
+from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import Buckets
@@ -106,7 +106,7 @@ class GossipRuntime(ExactAverages, Runtime):
     @torch.no_grad()
     def check_parameters(self) -> None:
         """Raise a NonFiniteError if a parameter is non-finite: one sum over the flat copy
-        (see :mod:`gossamer.algorithms.nonfinite`)."""
+        (see :mod:`gossamer.patterns.nonfinite`)."""
         self.flat.gather(self.params)
         if not all_finite(self.flat.buffers):
             raise self.nonfinite_error("parameters")

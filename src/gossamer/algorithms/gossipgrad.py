@@ -54,7 +54,7 @@ from torch import nn
 
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
-from gossamer.algorithms.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
+from gossamer.patterns.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import Buckets, apply_flat

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.algorithms.nonfinite import all_finite
+from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.options import option

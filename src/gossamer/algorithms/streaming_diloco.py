@@ -67,23 +67,24 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from gossamer.algorithms.base import average_tensors
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
-from gossamer.algorithms.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
 from gossamer.comm.state import broadcast_object
 from gossamer.compress.lowbit import PRECISIONS, LowBit
 from gossamer.options import option
+from gossamer.patterns.fragments import split_fragments
+from gossamer.patterns.nonfinite import all_finite
+from gossamer.patterns.scattered import ScatteredMean
 
 PATTERNS = ("strided", "sequential")
 
@@ -174,210 +175,6 @@ class StreamingDiLoCo(DiLoCo):
              optimizer: torch.optim.Optimizer) -> StreamingDiLoCoRuntime:
         self.validate(comm.world_size)
         return StreamingDiLoCoRuntime(self, comm, model, optimizer)
-
-
-class Unit(NamedTuple):
-    """Parameters that go into one fragment together: a block or a module."""
-
-    name: str  # the module's name ("" for the model itself)
-    indices: list[int]  # the parameters', in registration order
-    size: int  # elements
-    block: bool  # a member of a ModuleList or Sequential, whole
-
-
-def layer_units(names: Sequence[str], sizes: Sequence[int], limit: float) -> list[Unit]:
-    """The parameters ``names`` (as ``named_parameters`` gives them) of ``sizes`` elements,
-    grouped into units of whole layers, in registration order.
-
-    A parameter's unit is the block of a ``ModuleList`` or ``Sequential`` that holds it, its
-    name up to the first numeric component ("blocks.3.attn.qkv.weight" -> "blocks.3"), or else
-    the module that owns it ("head.weight", "head.bias" -> "head"). A unit larger than
-    ``limit`` elements is split into its children, one name component deeper, again while a
-    piece is larger, down to single modules: a module's parameters always stay together."""
-    parts = [name.split(".") for name in names]
-
-    def owner(i: int) -> int:  # components of the module that owns parameter i
-        return len(parts[i]) - 1
-
-    def split(key: tuple[str, ...], indices: list[int], top: bool) -> list[Unit]:
-        size = sum(sizes[i] for i in indices)
-        groups: dict[tuple[str, ...], list[int]] = {}
-        if size > limit:
-            for i in indices:  # one component deeper, never past the owning module
-                deeper = tuple(parts[i][:len(key) + 1]) if len(key) < owner(i) else key
-                groups.setdefault(deeper, []).append(i)
-        if not groups or list(groups) == [key]:  # small enough, or a single module
-            block = top and bool(key) and key[-1].isdigit()
-            return [Unit(".".join(key), indices, size, block)]
-        return [unit for sub, members in groups.items()
-                for unit in split(sub, members, top=False)]
-
-    units: dict[tuple[str, ...], list[int]] = {}
-    for i, components in enumerate(parts):
-        numeric = next((j for j, c in enumerate(components) if c.isdigit()), None)
-        key = components[:numeric + 1] if numeric is not None else components[:-1]
-        units.setdefault(tuple(key), []).append(i)
-    return [unit for key, indices in units.items() for unit in split(key, indices, top=True)]
-
-
-def split_fragments(names: Sequence[str], sizes: Sequence[int], count: int,
-                    pattern: str) -> list[list[int]]:
-    """The parameter indices of each of ``count`` fragments of whole layers, for the
-    parameters ``names`` of ``sizes`` elements.
-
-    The parameters are grouped into units (:func:`layer_units`: blocks of a ``ModuleList`` or
-    ``Sequential``, other modules), a unit larger than 1/count of the model split into its
-    children so that the fragments can balance. Then:
-
-    - ``strided`` (the paper's Fig. 2): the i-th block (a whole member of a ``ModuleList`` or
-      ``Sequential``: a transformer block) goes into fragment i mod count; the other units
-      (embeddings, final norm, head, the pieces of a block too large to stay whole), largest
-      first, each into the fragment with the fewest elements so far (the first on ties).
-      Equal blocks make equal fragments.
-    - ``sequential``: consecutive units, cut so that the largest fragment is as small as it
-      can be: each fragment takes the units that fit under that bound, leaving one unit for
-      each fragment after it.
-
-    A function of the names and sizes only: every worker finds the same fragments. A fragment
-    is empty when there are fewer units than fragments; each lists its indices in increasing
-    order."""
-    total = sum(sizes)
-    units = layer_units(names, sizes, total / count)
-    fragments: list[list[int]] = [[] for _ in range(count)]
-    if pattern == "strided":
-        load = [0] * count
-        blocks = [unit for unit in units if unit.block]
-        others = sorted((unit for unit in units if not unit.block), key=lambda u: -u.size)
-        for i, unit in enumerate(blocks):
-            fragments[i % count] += unit.indices
-            load[i % count] += unit.size
-        for unit in others:  # (sorted is stable: registration order among equal sizes)
-            p = min(range(count), key=load.__getitem__)
-            fragments[p] += unit.indices
-            load[p] += unit.size
-    else:
-        for p, members in enumerate(_consecutive([unit.size for unit in units], count)):
-            fragments[p] = [i for u in members for i in units[u].indices]
-    return [sorted(fragment) for fragment in fragments]
-
-
-def _consecutive(sizes: Sequence[int], count: int) -> list[range]:
-    """``count`` runs of consecutive indices into ``sizes`` whose largest sum is the smallest
-    possible, none empty while there are enough items."""
-
-    def parts(bound: int) -> int:  # runs that a greedy cut under ``bound`` makes
-        runs, running = 1, 0
-        for size in sizes:
-            if running + size > bound:
-                runs, running = runs + 1, 0
-            running += size
-        return runs
-
-    low, high = max(sizes, default=0), sum(sizes)
-    while low < high:  # the smallest bound under which count runs suffice
-        middle = (low + high) // 2
-        low, high = (low, middle) if parts(middle) <= count else (middle + 1, high)
-    runs, start = [], 0
-    for p in range(count):
-        end, running = start, 0
-        reserve = len(sizes) - (count - p - 1)  # leave one item for each run after this
-        while end < len(sizes) and (end == start or (running + sizes[end] <= low
-                                                     and end < reserve)):
-            running += sizes[end]
-            end += 1
-        if p == count - 1:
-            end = len(sizes)
-        runs.append(range(start, end))
-        start = end
-    return runs
-
-
-class ScatteredMean:
-    """The mean over the workers of a flat float32 vector, as two exchanges started now and
-    advanced by :meth:`progress` (never blocks) and :meth:`wait`.
-
-    Each of the n workers owns one of n equal chunks (the vector padded with zeros): first
-    every worker sends chunk j, encoded by ``codec``, to worker j; worker j adds the decoded
-    chunks in rank order (its own included, as decoded), divides by n, encodes the mean and
-    sends it to everyone. A worker sends to the others in the order of their offset from it
-    (``rank + 1``, ``rank + 2``, ...), as an all-to-all is scheduled: no worker is everyone's
-    first, every rank's messages arrive alike, and one worker can stand for all in the
-    planner (:mod:`gossamer.comm.mirror`). ``residuals`` (a dict kept by the caller) holds
-    each worker's encoding errors, added to what it next encodes under the same key:
-    ``(key, "sent")`` for the whole vector, ``(key, "mean")`` for the chunk it owns.
-    """
-
-    def __init__(self, comm: Communicator, vector: torch.Tensor, codec: LowBit,
-                 residuals: dict[Any, torch.Tensor], key: Any) -> None:
-        self.comm, self.codec, self.residuals, self.key = comm, codec, residuals, key
-        n, me = comm.world_size, comm.rank
-        self.numel = vector.numel()
-        self.chunk = math.ceil(self.numel / n) if self.numel else 0
-        # unquantised, a float64 model's pseudo-gradients are averaged in float64
-        exact = codec.precision == "float32" and vector.dtype == torch.float64
-        dtype = torch.float64 if exact else torch.float32
-        padded = torch.zeros(n * self.chunk, dtype=dtype, device=vector.device)
-        padded[: self.numel] = vector
-        sent = self.residuals.get((key, "sent"))
-        if sent is not None and sent.dim() == 1 and sent.numel() <= padded.numel():
-            # (shorter: kept across a membership change without the old size's padding)
-            padded[: sent.numel()] += sent.to(padded)
-        parts = padded.view(n, self.chunk)
-        payloads = [codec.encode(part) for part in parts]
-        decoded = torch.stack([codec.decode(p, self.chunk) for p in payloads]) if n else parts
-        self.residuals[(key, "sent")] = padded - decoded.reshape(-1)
-        self.own = decoded[me]
-        self.others = [(me + k) % n for k in range(1, n)]  # by offset
-        self.mean: torch.Tensor | None = None
-        self.phase = 1
-        if n == 1:
-            self._reduce({})
-            return
-        # receives posted first: a message then lands in its buffer as it arrives
-        self.received = comm.exchange({}, self.others, recv_like=payloads[me])
-        self.sent = [comm.exchange({r: payloads[r] for r in self.others}, [])]
-
-    def _residual(self, key: Any, like: torch.Tensor) -> torch.Tensor:
-        residual = self.residuals.get(key)
-        if residual is None or residual.shape != like.shape:
-            return torch.zeros_like(like)
-        return residual
-
-    def progress(self) -> None:
-        """Start the second exchange if the first has arrived (never blocks)."""
-        if self.phase == 1 and self.received.ready():
-            self._reduce(self.received.wait())
-
-    def _reduce(self, received: dict[int, torch.Tensor]) -> None:
-        n, me = self.comm.world_size, self.comm.rank
-        total = torch.zeros_like(self.own)
-        for r in range(n):  # in rank order, the same sum on every backend
-            total += self.own if r == me else self.codec.decode(received[r], self.chunk)
-        mean = total / n
-        mean = mean + self._residual((self.key, "mean"), mean)
-        payload = self.codec.encode(mean)
-        self.mean = self.codec.decode(payload, self.chunk)
-        self.residuals[(self.key, "mean")] = mean - self.mean
-        self.phase = 2
-        if n == 1:
-            return
-        self.gathered = self.comm.exchange({}, self.others, recv_like=payload)
-        self.sent.append(self.comm.exchange({r: payload for r in self.others}, []))
-
-    def wait(self) -> torch.Tensor:
-        """The mean (blocks, within the communicator's timeout)."""
-        if self.phase == 1:
-            self._reduce(self.received.wait())
-        assert self.mean is not None
-        n, me = self.comm.world_size, self.comm.rank
-        if n == 1:
-            return self.mean[: self.numel]
-        gathered = self.gathered.wait()
-        for handle in self.sent:
-            handle.wait()
-        chunks = [self.mean if r == me else self.codec.decode(gathered[r], self.chunk)
-                  for r in range(n)]
-        return torch.cat(chunks)[: self.numel]
 
 
 @dataclass

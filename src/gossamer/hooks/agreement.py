@@ -16,7 +16,7 @@ scaler is in use from its state's ``scaler`` option, and then
   and warm-up schedules stay the same on every worker) and ``state.skipped_steps`` counts it.
 
 Without a scaler the compression hook raises a
-:class:`~gossamer.algorithms.nonfinite.NonFiniteError` on every worker, naming the workers
+:class:`~gossamer.patterns.nonfinite.NonFiniteError` on every worker, naming the workers
 with non-finite gradients (they agree on the same bits, so none waits); GossipGraD's hook does
 not check (as DDP's all-reduce, it passes the values on).
 """
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gossamer.algorithms.nonfinite import NonFiniteError
-from gossamer.algorithms.overlap import CommThread, overlaps
+from gossamer.patterns.nonfinite import NonFiniteError
+from gossamer.patterns.overlap import CommThread, overlaps
 from gossamer.comm.base import Communicator
 
 __all__ = ["HookState"]

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossamer.algorithms.nonfinite import (
+from gossamer.patterns.nonfinite import (
     all_finite,
     describe_nonfinite,
     flag_words,

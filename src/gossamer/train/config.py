@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.algorithms import Algorithm, AllReduce, create, with_compression
-from gossamer.algorithms.nonfinite import POLICIES as NONFINITE_POLICIES
+from gossamer.patterns.nonfinite import POLICIES as NONFINITE_POLICIES
 from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
 from gossamer.comm.network import ComputeModel, NetworkModel
@@ -118,7 +118,7 @@ class TrainConfig:
     jitter: float = option(0.0, "simulator: relative spread of step times (seeded)")
     timeout: float | None = option(None, "seconds to wait for a peer (virtual in sim); "
                                    "default: the backend's, 300 (NCCL 600)")
-    # failures (see gossamer.comm.faults and gossamer.algorithms.nonfinite)
+    # failures (see gossamer.comm.faults and gossamer.patterns.nonfinite)
     faults: tuple[str, ...] = option((), "repeatable RANK:STEP:KIND, KIND "
                                      "crash|hang|slow:FACTOR|nan")
     nonfinite: str = option("raise", "a NaN/inf gradient or parameter: raise (stop), or skip "

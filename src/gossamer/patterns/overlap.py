@@ -17,7 +17,7 @@ its subclasses:
 
 - :class:`GradientBuckets`, AllReduce's dense average: flat buckets, each averaged with
   ``all_reduce_async(op="mean")``; the non-finite flags of
-  :mod:`gossamer.algorithms.nonfinite` ride at the end of the last bucket (their mean names
+  :mod:`gossamer.patterns.nonfinite` ride at the end of the last bucket (their mean names
   the same ranks as their sum).
 - :class:`CompressedBuckets`, AllReduce with a compressor: each bucket goes through the
   :class:`~gossamer.compress.CompressedReducer` (compensate, compress, collectives,
@@ -45,15 +45,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from gossamer.algorithms.nonfinite import (
+from gossamer.comm.base import Communicator, without_grad
+from gossamer.comm.buckets import Buckets, layout
+from gossamer.compress.reducer import CompressedReducer
+from gossamer.patterns.nonfinite import (
     all_finite,
     describe_nonfinite,
     ranks_from_flags,
     set_flag,
 )
-from gossamer.comm.base import Communicator, without_grad
-from gossamer.comm.buckets import Buckets, layout
-from gossamer.compress.reducer import CompressedReducer
 
 #: id(parameter) -> (the parameter, the BackwardSchedule whose hook it carries), both weakly
 #: (a model must stay picklable: nothing is stored on the parameter itself)

@@ -1,0 +1,13 @@
+"""The communication patterns that methods share, below the methods themselves: each is
+written once, used by every method that needs it, and tested on SimWorld and on gloo.
+
+- :mod:`~gossamer.patterns.overlap`: gradient buckets reduced during backward, as DDP's
+  reducer (a schedule, flat or compressed buckets, a communication thread);
+- :mod:`~gossamer.patterns.nonfinite`: the workers' agreement on non-finite values, riding on
+  the method's own messages;
+- :mod:`~gossamer.patterns.scattered`: the mean of a vector as a reduce-scatter and an
+  all-gather over point-to-point exchanges, low-precision with error feedback, never blocking;
+- :mod:`~gossamer.patterns.fragments`: a model split into fragments of whole layers.
+
+A method's module then holds its configuration, its schedule and its arithmetic.
+"""
