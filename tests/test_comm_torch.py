@@ -384,13 +384,38 @@ def _never_returns() -> None:
 
 @pytest.mark.slow
 @pytest.mark.gloo
-def test_spawn_reports_failures_and_timeouts() -> None:
+@pytest.mark.parametrize("fresh", [False, True])
+def test_spawn_reports_failures_and_timeouts(fresh) -> None:
+    """In the pool and in fresh processes alike; the pool then starts anew."""
     with pytest.raises(RuntimeError, match="(?s)rank 1 raised.*ValueError: boom on purpose"):
-        spawn_gloo(_fails_on_rank_1, 2, timeout=60)
+        spawn_gloo(_fails_on_rank_1, 2, timeout=60, fresh=fresh)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not report"):
-        spawn_gloo(_never_returns, 1, timeout=5)
+        spawn_gloo(_never_returns, 1, timeout=5, fresh=fresh)
     assert time.monotonic() - start < 5 + 10  # the child was killed, not waited for
+    assert spawn_gloo(_fails_on_rank_1, 1, fresh=fresh) == [7]
+
+
+def _what_a_call_sees() -> tuple[int, str | None, str, int, bool]:
+    comm = TorchCommunicator.from_env(timeout=30)
+    total = int(comm.all_reduce(torch.ones(1)).item())
+    return (os.getpid(), os.environ.get("GOSSAMER_TEST_MARK"), os.environ["MASTER_PORT"],
+            total, dist.is_initialized())
+
+
+@pytest.mark.gloo
+def test_spawn_reuses_its_processes_with_each_call_fresh(monkeypatch) -> None:
+    """A call runs in the pool's resident processes, with a process group of its own, the
+    caller's environment of the moment and a new port; fresh=True starts new ones."""
+    first = spawn_gloo(_what_a_call_sees, 2)
+    monkeypatch.setenv("GOSSAMER_TEST_MARK", "second")
+    second = spawn_gloo(_what_a_call_sees, 2)
+    assert [r[0] for r in second] == [r[0] for r in first]  # the same processes
+    assert [r[1] for r in first] == [None, None] and [r[1] for r in second] == ["second"] * 2
+    assert first[0][2] != second[0][2]  # a fresh rendezvous
+    assert [r[3:] for r in first + second] == [(2, True)] * 4
+    fresh = spawn_gloo(_what_a_call_sees, 2, fresh=True)
+    assert not {r[0] for r in fresh} & {r[0] for r in first}
 
 
 def test_launch_env_torchrun() -> None:

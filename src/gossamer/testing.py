@@ -12,8 +12,15 @@ Each child is a fresh Python process, started and watched by
 
     assert spawn_gloo(worker, 2, args=(3,)) == [[2.0] * 3] * 2
 
-Starting the processes costs seconds, so tests that compare many runs make them all in one
-spawn, one after another (:func:`run_in_turn`, :func:`collect`)::
+Starting a process costs seconds (it imports torch), so the processes are kept: a call runs in
+the resident processes of a pool, one per world size, each of which runs one call after
+another with a fresh process group, the environment of the call, and the random states a fresh
+process starts with. A call that lets a rank exit (``allow_exit``) or asks for ``fresh=True``
+runs in new processes; a call that fails or times out closes its pool (whose state is then
+unknown), and the next call starts a new one. ``GOSSAMER_FRESH_SPAWN=1`` makes every call fresh.
+
+Tests that compare many runs can also make them all in one call, one after another
+(:func:`run_in_turn`, :func:`collect`)::
 
     results = spawn_gloo(run_in_turn, 4, args=(train, [("sgp", (SGP(),)), ("dpsgd", (DPSGD(),))]))
     sgp = collect(results, "sgp")  # train(comm, SGP()) of each rank
@@ -21,6 +28,8 @@ spawn, one after another (:func:`run_in_turn`, :func:`collect`)::
 
 from __future__ import annotations
 
+import atexit
+import io
 import os
 import pickle
 import sys
@@ -40,7 +49,8 @@ from gossamer.comm.environment import (
 )
 from gossamer.launch.supervisor import Supervisor
 
-__all__ = ["Failed", "collect", "free_port", "run_in_turn", "spawn_gloo", "state_tensors"]
+__all__ = ["FRESH_VARIABLE", "Failed", "close_pools", "collect", "free_port", "run_in_turn",
+           "spawn_gloo", "state_tensors"]
 
 _LINGER = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
 _GRACE = 2.0  # seconds between SIGTERM and SIGKILL when the children are stopped
@@ -103,19 +113,31 @@ def spawn_gloo(
     *,
     timeout: float = 120.0,
     allow_exit: Collection[int] = (),
+    fresh: bool = False,
 ) -> list[Any]:
-    """Run ``fn(*args)`` in ``world_size`` fresh processes and return their results by rank.
+    """Run ``fn(*args)`` in ``world_size`` processes and return their results by rank.
 
     ``fn`` must be picklable (a module-level function). A rank that raises sends its
     traceback, and a RuntimeError with every failed rank's traceback is raised. Ranks in
     ``allow_exit`` may exit without a result (None is returned for them), e.g. a test that
     kills a worker on purpose; any other rank that exits without a result is a failure. After
-    ``timeout`` seconds a TimeoutError names the ranks that did not report. Children are
-    always stopped and reaped before this returns (by :class:`gossamer.launch.supervisor.
-    Supervisor`; once one rank failed, the others get 10 s to report).
+    ``timeout`` seconds a TimeoutError names the ranks that did not report.
+
+    The processes are the resident ones of a pool (see the module docs) unless ``fresh``,
+    ``allow_exit`` or ``GOSSAMER_FRESH_SPAWN=1``: then they are new, and always stopped and
+    reaped before this returns (by :class:`gossamer.launch.supervisor.Supervisor`). Either way,
+    once one rank failed the others get 10 s to report; a pool in which a call failed or timed
+    out is closed, and the next call starts a new one.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if fresh or allow_exit or os.environ.get(FRESH_VARIABLE, "") not in ("", "0"):
+        return _spawn_fresh(fn, world_size, args, timeout, allow_exit)
+    return _pooled(fn, world_size, args, timeout)
+
+
+def _spawn_fresh(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float,
+                 allow_exit: Collection[int]) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="gossamer-spawn-") as tmp:
         folder = Path(tmp)
         with open(folder / "call.pkl", "wb") as f:
@@ -161,6 +183,156 @@ def spawn_gloo(
             f"spawn_gloo({_name(fn)}): ranks {missing} did not report within {timeout:g} s"
         )
     return [pickle.loads(results[r]) if r in results else None for r in range(world_size)]
+
+
+#: set to 1: every spawn_gloo call starts fresh processes (no pool)
+FRESH_VARIABLE = "GOSSAMER_FRESH_SPAWN"
+_RESIDENT = "from gossamer.testing import _resident_main; _resident_main()"
+_POLL = 0.01  # seconds between looks for a call (child) or for results (parent)
+_pools: dict[int, _Pool] = {}
+
+
+class _Pool:
+    """``world_size`` resident children, each running the calls written to ``folder`` in turn
+    (``callN.pkl``; results ``rankR.returnedN`` or ``rankR.raisedN``)."""
+
+    def __init__(self, world_size: int) -> None:
+        import subprocess
+
+        self.world_size = world_size
+        self.folder = Path(tempfile.mkdtemp(prefix="gossamer-pool-"))
+        self.calls = 0
+        env = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
+        self.children = []
+        for rank in range(world_size):
+            with open(self.folder / f"rank{rank}.log", "wb") as log:  # the child's output
+                self.children.append(subprocess.Popen(
+                    [sys.executable, "-c", _RESIDENT, str(self.folder), str(rank),
+                     str(world_size), str(os.getpid())],
+                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any]:
+        """``fn(*args)`` on every rank: their results, or the errors of :func:`spawn_gloo`
+        (after which the pool is closed: its processes' state is unknown)."""
+        import time
+
+        n, self.calls = self.calls, self.calls + 1
+        preparation = mp_spawn.get_preparation_data("gossamer-spawn")
+        preparation.pop("authkey", None)
+        environ = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
+        # two pickles: the second unpickles once the first has prepared sys.path and __main__
+        _write(self.folder / f"call{n}.pkl", pickle.dumps((preparation, environ, free_port()))
+               + pickle.dumps((fn, tuple(args))))
+        ranks = range(self.world_size)
+        returned = [self.folder / f"rank{r}.returned{n}" for r in ranks]
+        raised = [self.folder / f"rank{r}.raised{n}" for r in ranks]
+        deadline, failed_at = time.monotonic() + timeout, None
+        while True:
+            now = time.monotonic()
+            if all(path.exists() for path in returned):
+                results = [pickle.loads(path.read_bytes()) for path in returned]
+                for path in returned:
+                    path.unlink()
+                return results
+            codes = [child.poll() for child in self.children]
+            over = [raised[r].exists() or codes[r] is not None for r in ranks]
+            if failed_at is None and any(over):
+                failed_at = now  # the others get a while to report, as fresh ones would
+            if now > deadline or failed_at is not None and (
+                    now - failed_at > _LINGER or all(over[r] or returned[r].exists()
+                                                     for r in ranks)):
+                break
+            time.sleep(_POLL)
+        failures, missing = [], []
+        for r in ranks:
+            if raised[r].exists():
+                failures.append(f"--- rank {r} raised:\n"
+                                f"{raised[r].read_text(errors='replace')}")
+            elif codes[r] is not None and not returned[r].exists():
+                failures.append(f"--- rank {r} exited without a result (exit code {codes[r]})")
+            elif not returned[r].exists():
+                missing.append(r)
+        self.close()
+        if failures:
+            raise RuntimeError(f"spawn_gloo({_name(fn)}): {len(failures)} rank(s) failed\n"
+                               + "\n".join(failures))
+        raise TimeoutError(
+            f"spawn_gloo({_name(fn)}): ranks {missing} did not report within {timeout:g} s")
+
+    def close(self) -> None:
+        import shutil
+
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+        for child in self.children:
+            child.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _pooled(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout: float
+            ) -> list[Any]:
+    """``fn(*args)`` on the pool's processes of ``world_size`` (a new pool if there is none,
+    or if the last call failed)."""
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = _Pool(world_size)
+    try:
+        return pool.call(fn, args, timeout)
+    except BaseException:
+        _pools.pop(world_size, None)
+        pool.close()
+        raise
+
+
+def close_pools() -> None:
+    """Stop every resident process (also done at exit)."""
+    while _pools:
+        _pools.popitem()[1].close()
+
+
+atexit.register(close_pools)
+
+
+def _resident_main() -> None:
+    """A resident child of the pool: each call in turn, in the state of a fresh process."""
+    import random
+    import time
+
+    import numpy as np
+    import torch
+
+    folder, rank = Path(sys.argv[1]), int(sys.argv[2])
+    world_size, parent = int(sys.argv[3]), int(sys.argv[4])
+    torch.set_num_threads(1)  # two cores for several processes: threads would only fight
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    n = 0
+    while True:
+        call = folder / f"call{n}.pkl"
+        while not call.exists():
+            if os.getppid() != parent:  # the parent is gone
+                return
+            time.sleep(_POLL)
+        stream = io.BytesIO(call.read_bytes())
+        preparation, environ, port = pickle.load(stream)
+        os.environ.clear()
+        os.environ.update({**environ, **torchrun_variables(rank, world_size, "127.0.0.1",
+                                                           port)})
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        try:
+            mp_spawn.prepare(preparation)
+            fn, args = pickle.load(stream)
+            _write(folder / f"rank{rank}.returned{n}", pickle.dumps(fn(*args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            _write(folder / f"rank{rank}.raised{n}", traceback.format_exc().encode())
+        finally:
+            _destroy_process_group()
+        n += 1
 
 
 def _name(fn: Callable[..., Any]) -> str:
