@@ -4,6 +4,8 @@ flags that would have no effect refused."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import yaml
@@ -14,7 +16,13 @@ from gossamer.cli import main
 from gossamer.comm import SimWorld
 from gossamer.comm.sim import SimulationError
 from gossamer.options import option_help
-from gossamer.train.config import GROUPS, TrainConfig, load_recipe
+from gossamer.train.config import (
+    GROUPS,
+    TrainConfig,
+    add_config_arguments,
+    config_from_args,
+    load_recipe,
+)
 from gossamer.train.run import run_training
 
 
@@ -111,7 +119,8 @@ def test_every_flag_has_the_help_of_its_field(capsys):
     (["--min-lr", "0.01"], "min_lr=0.01 has no effect here: it applies to schedule 'cosine'"),
     (["--optimizer", "adamw", "--momentum", "0.5"], "momentum=0.5 has no effect"),
     (["--milestones", "10"], "milestones=(10,) has no effect"),
-    (["--alpha", "0.1"], "applies to partition 'dirichlet' only"),
+    (["--dirichlet-alpha", "0.1"], "applies to partition 'dirichlet' only"),
+    (["--alpha", "0.1"], "applies to partition 'dirichlet' only"),  # the old name, read
     (["--data-path", "x"], "digits data set is embedded"),
 ])
 def test_a_flag_with_no_effect_is_an_error_that_says_why(flags, message, capsys):
@@ -202,3 +211,27 @@ def test_distribute_tells_the_runtime_what_the_loop_knows():
             model, torch.optim.SGD(model.parameters(), lr=0.1), "allreduce", comm,
             total_steps=0))
 
+
+def test_the_dirichlet_concentration_is_named_apart_and_its_old_name_still_read(tmp_path,
+                                                                                capsys):
+    """``--dirichlet-alpha`` (a recipe's ``dirichlet_alpha``); the old ``--alpha`` and a
+    config.yaml's ``alpha`` still set it, with a note naming the new name; both at once is
+    an error."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    new = config_from_args(parser.parse_args(["--partition", "dirichlet",
+                                              "--dirichlet-alpha", "0.2"]))
+    assert new.dirichlet_alpha == 0.2 and capsys.readouterr().err == ""
+    old = config_from_args(parser.parse_args(["--partition", "dirichlet", "--alpha", "0.2"]))
+    assert old == new
+    assert "--alpha is now --dirichlet-alpha" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="give --dirichlet-alpha only"):
+        config_from_args(parser.parse_args(["--alpha", "0.2", "--dirichlet-alpha", "0.3"]))
+    recipe = tmp_path / "config.yaml"  # as a run directory's config.yaml was written before
+    recipe.write_text("partition: dirichlet\nalpha: 0.2\nsteps: 7\n")
+    assert load_recipe(recipe) == {"partition": "dirichlet", "dirichlet_alpha": 0.2,
+                                   "steps": 7}
+    assert "'alpha' is now 'dirichlet_alpha'" in capsys.readouterr().err
+    recipe.write_text("alpha: 0.2\ndirichlet_alpha: 0.3\n")
+    with pytest.raises(ValueError, match="keep 'dirichlet_alpha'"):
+        load_recipe(recipe)

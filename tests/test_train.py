@@ -226,10 +226,11 @@ def test_help_documents_every_flag_with_default(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--batch-size", "--schedule", "--warmup-steps", "--partition", "--alpha",
+    for flag in ("--batch-size", "--schedule", "--warmup-steps", "--partition", "--dirichlet-alpha",
                  "--checkpoint-every", "--resume", "--eval-workers", "--sim", "--config"):
         assert flag in text
     assert "(default: 32)" in text
+    assert "--alpha " not in text  # the old name is read, not offered
 
 
 @pytest.mark.slow

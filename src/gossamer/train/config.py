@@ -83,7 +83,8 @@ class TrainConfig:
     min_lr: float = option(0.0, "cosine schedule floor")
     # data split across workers
     partition: str = option("iid", "iid, or dirichlet (non-IID label skew)")
-    alpha: float = option(0.5, "dirichlet concentration: lower is more skewed")
+    dirichlet_alpha: float = option(0.5, "the Dirichlet concentration of partition "
+                                    "'dirichlet' (the flag was --alpha): lower is more skewed")
     seed: int = option(0, "model init, data split and sampling")
     # evaluation and records
     eval_every: int = option(50, "steps between evaluations (0: only at the end)")
@@ -144,7 +145,7 @@ class TrainConfig:
         check_positive("weight_decay", self.weight_decay, allow_zero=True)
         check_positive("min_lr", self.min_lr, allow_zero=True)
         check_positive("gamma", self.gamma, allow_zero=False)
-        check_positive("alpha", self.alpha, allow_zero=False)
+        check_positive("dirichlet_alpha", self.dirichlet_alpha, allow_zero=False)
         check_positive("latency", self.latency, allow_zero=True)
         object.__setattr__(self, "bandwidth", parse_rate(self.bandwidth, arg="bandwidth"))
         check_positive("compute_time", self.compute_time, allow_zero=True)
@@ -165,7 +166,7 @@ class TrainConfig:
         self.compute_model()  # checks stragglers, as written
         object.__setattr__(self, "stragglers", tuple(
             _normal_straggler(spec) for spec in self.stragglers))
-        for name in ("lr", "weight_decay", "min_lr", "gamma", "alpha", "latency",
+        for name in ("lr", "weight_decay", "min_lr", "gamma", "dirichlet_alpha", "latency",
                      "compute_time", "jitter"):
             if math.isinf(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
@@ -206,7 +207,8 @@ class TrainConfig:
             "milestones": (self.schedule != "step", "applies to schedule 'step' only"),
             "gamma": (self.schedule != "step", "applies to schedule 'step' only"),
             "min_lr": (self.schedule != "cosine", "applies to schedule 'cosine' only"),
-            "alpha": (self.partition != "dirichlet", "applies to partition 'dirichlet' only"),
+            "dirichlet_alpha": (self.partition != "dirichlet",
+                                "applies to partition 'dirichlet' only"),
             "block_size": (self.dataset != "text", "applies to dataset 'text' only"),
             "data_path": (self.dataset == "digits",
                           "the digits data set is embedded: it reads no files"),
@@ -429,13 +431,15 @@ _DEFAULTS.update({name: f.default if f.default is not dataclasses.MISSING else f
                   for name, f in _FIELDS.items()})
 _INIT_ONLY = ("options", "compressor")  # recipe keys and flags that resolve the algorithm
 _RECORD_ONLY = ("world_size",)  # written into a run directory's config.yaml for the record
+#: old name -> new name, of recipe keys and (as --old-name) flags, read for one more release
+_RENAMED = {"alpha": "dirichlet_alpha"}
 _REPEATED = {"faults": ("--fault", "RANK:STEP:KIND"), "stragglers": ("--straggler", "RANK=FACTOR"),
              "loggers": ("--logger", "NAME"),
              "links": ("--link", "SRC:DST:RATE[:LATENCY]")}
 #: The flags of ``gossamer train --help``, by concern.
 GROUPS = {
     "algorithm": ("algorithm",),
-    "data": ("dataset", "data_path", "block_size", "partition", "alpha", "seed"),
+    "data": ("dataset", "data_path", "block_size", "partition", "dirichlet_alpha", "seed"),
     "model": ("model",),
     "optimisation": ("steps", "batch_size", "accumulation", "optimizer", "lr", "momentum",
                      "nesterov", "weight_decay", "schedule", "warmup_steps", "milestones",
@@ -482,6 +486,14 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                          f"{error.strerror or error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings")
+    for old, new in _RENAMED.items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"config file {str(path)!r}: {old!r} and {new!r} are the same "
+                                 f"setting ({old!r} is its old name); keep {new!r}")
+            print(f"note: config file {str(path)!r}: {old!r} is now {new!r} (the old name "
+                  "is read for one more release)", file=sys.stderr)
+            data[new] = data.pop(old)
     for key in list(data):
         if key in _RECORD_ONLY:
             del data[key]
@@ -595,6 +607,12 @@ def add_config_arguments(parser: argparse.ArgumentParser,
                                    metavar=metavar, help=help_text)
             elif name == "bandwidth":
                 group.add_argument(flag, default=None, metavar="RATE", help=help_text)
+            elif name in _RENAMED.values():
+                base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)
+                group.add_argument(flag, type=base, default=None, help=help_text)
+                old = next(k for k, v in _RENAMED.items() if v == name)
+                group.add_argument("--" + old.replace("_", "-"), dest=f"renamed_{old}",
+                                   type=base, default=None, help=argparse.SUPPRESS)
             else:
                 base = next((t for t in typing.get_args(tp) if t is not type(None)), tp)
                 group.add_argument(flag, type=base if inspect.isclass(base) else str,
@@ -607,6 +625,16 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
     if getattr(args, "config", None):
         settings.update(load_recipe(args.config))
         _drop_options_of_replaced_algorithm(settings, getattr(args, "algorithm", None))
+    for old, new in _RENAMED.items():
+        value = getattr(args, f"renamed_{old}", None)
+        if value is not None:
+            flag, now = "--" + old.replace("_", "-"), "--" + new.replace("_", "-")
+            if getattr(args, new, None) is not None:
+                raise ValueError(f"{flag} and {now} are the same setting ({flag} is its old "
+                                 f"name); give {now} only")
+            print(f"note: {flag} is now {now} (the old flag works for one more release)",
+                  file=sys.stderr)
+            setattr(args, new, value)
     for name in _FIELDS:
         value = getattr(args, name, None)
         if value is not None:

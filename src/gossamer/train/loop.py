@@ -93,7 +93,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     model.to(device)
     shards = partition(dataset.y_train.numpy(), size, scheme=config.partition,
-                       alpha=config.alpha, seed=config.seed)
+                       alpha=config.dirichlet_alpha, seed=config.seed)
     sampler = ShardSampler(shards[me], config.batch_size, seed=config.seed * 7919 + me)
     if membership is None and config.on_failure == "continue":
         membership = Membership(comm)

@@ -103,7 +103,7 @@ def _check_same_settings(config: TrainConfig) -> None:
 def check_shards(config: TrainConfig, dataset: Dataset, world_size: int) -> None:
     """Every worker's shard must hold at least one minibatch."""
     shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
-                       alpha=config.alpha, seed=config.seed)
+                       alpha=config.dirichlet_alpha, seed=config.seed)
     smallest = min(len(s) for s in shards)
     if config.batch_size > smallest:
         raise ValueError(
@@ -128,7 +128,7 @@ def _write_run_dir(config: TrainConfig, dataset: Dataset, world_size: int) -> No
         pointer.unlink()
     _write_config(config, world_size)
     shards = partition(dataset.y_train.numpy(), world_size, scheme=config.partition,
-                       alpha=config.alpha, seed=config.seed)
+                       alpha=config.dirichlet_alpha, seed=config.seed)
     split = describe_partition(shards, dataset.y_train.numpy(), dataset.num_classes)
     ckpt.atomic_write_bytes(run_dir / "partition.json", json.dumps(split).encode())
 
