@@ -217,9 +217,9 @@ def bytes_worker(comm, model_name: str) -> dict[str, int]:
     compressed and the dense tensors apart, in AllReduce's buckets (reverse registration
     order, the first at most 1 MiB, then 25 MiB: one reduction each); bytes sent by this
     worker for each."""
-    from gossamer.patterns.overlap import FIRST_BUCKET_BYTES
     from gossamer.comm.buckets import layout
     from gossamer.compress import CompressedReducer, DGCCompressor, DGCMemory, NoCompression
+    from gossamer.patterns.overlap import FIRST_BUCKET_BYTES
 
     model, shape = _models()[model_name]
     g = torch.Generator().manual_seed(comm.rank)

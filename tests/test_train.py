@@ -89,7 +89,7 @@ def test_adamw_nesterov_and_accumulation_train():
 
 
 def test_non_iid_partition_has_consensus_only_with_local_methods(tmp_path):
-    result = run_training(small(tmp_path, partition="dirichlet", alpha=0.1))
+    result = run_training(small(tmp_path, partition="dirichlet", dirichlet_alpha=0.1))
     split = json.loads((tmp_path / "partition.json").read_text())
     assert split  # the split used is recorded
     assert result["consensus_distance"] == 0.0  # still AllReduce

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
-from gossamer.patterns.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
+from gossamer.patterns.nonfinite import agree, all_finite
 
 #: torch's own ``Optimizer.zero_grad`` (DistributedOptimizer.zero_grad does its work directly
 #: for an optimizer that keeps it)

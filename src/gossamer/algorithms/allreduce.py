@@ -34,11 +34,6 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.patterns.nonfinite import (
-    flag_words,
-    ranks_from_flags,
-)
-from gossamer.patterns.overlap import CompressedBuckets, GradientBuckets
 from gossamer.comm.base import Communicator, without_grad
 from gossamer.compress.base import Compressor, Memory, resolve_aggregation
 from gossamer.compress.dgc import (
@@ -52,6 +47,11 @@ from gossamer.compress.dgc import (
 from gossamer.compress.reducer import CompressedReducer, check_node_size
 from gossamer.compress.registry import Compression, parse_compression
 from gossamer.options import option
+from gossamer.patterns.nonfinite import (
+    flag_words,
+    ranks_from_flags,
+)
+from gossamer.patterns.overlap import CompressedBuckets, GradientBuckets
 
 
 @dataclass(frozen=True, kw_only=True)

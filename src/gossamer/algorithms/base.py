@@ -25,15 +25,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from gossamer.checks import check_int
+from gossamer.comm.base import Communicator
+from gossamer.comm.buckets import apply_flat
 from gossamer.patterns.nonfinite import (
     NonFiniteError,
     all_finite,
     check_policy,
     describe_nonfinite,
 )
-from gossamer.checks import check_int
-from gossamer.comm.base import Communicator
-from gossamer.comm.buckets import apply_flat
 
 
 class Algorithm(ABC):

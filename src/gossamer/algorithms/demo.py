@@ -65,11 +65,11 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.patterns.nonfinite import all_finite, describe_nonfinite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.mirror import Copies
 from gossamer.options import option
+from gossamer.patterns.nonfinite import all_finite, describe_nonfinite
 
 
 def _joined(parts: list[torch.Tensor], offset: int, count: int, dtype: torch.dtype,

@@ -52,7 +52,6 @@ from torch import nn
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime, compression_argument
 from gossamer.algorithms.base import average_tensors
 from gossamer.algorithms.local_sgd import QSR, LocalSGD, LocalSGDRuntime, optimizer_state_tensors
-from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
@@ -60,6 +59,7 @@ from gossamer.comm.state import broadcast_object
 from gossamer.compress.reducer import CompressedReducer
 from gossamer.compress.registry import Compression, DGCCompression
 from gossamer.options import option
+from gossamer.patterns.nonfinite import all_finite
 
 OuterFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime, average_tensors
-from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import Buckets
 from gossamer.options import option
+from gossamer.patterns.nonfinite import all_finite
 from gossamer.topology import Topology, build
 
 

@@ -54,7 +54,6 @@ from torch import nn
 
 from gossamer.algorithms.allreduce import compression_argument
 from gossamer.algorithms.base import Algorithm, ExactAverages, Runtime
-from gossamer.patterns.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import Buckets, apply_flat
@@ -68,6 +67,7 @@ from gossamer.compress.registry import (
     lookup_compression,
 )
 from gossamer.options import option
+from gossamer.patterns.overlap import ThreadedBuckets, first_bucket_bytes, overlaps
 from gossamer.topology.gossipgrad import GossipGradSchedule, check_gossipgrad_topology
 
 __all__ = ["GossipGraD", "GossipGraDRuntime", "GradientGossip", "check_gossip_compression",

@@ -46,10 +46,10 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
-from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.options import option
+from gossamer.patterns.nonfinite import all_finite
 
 #: QSR's warm-up rules: keyed on ``warmup_steps`` (the QSR code) or on a rising learning rate
 QSR_WARMUPS = ("steps", "rising_lr")

@@ -52,10 +52,10 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
-from gossamer.patterns.nonfinite import all_finite
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.options import option
+from gossamer.patterns.nonfinite import all_finite
 
 #: the ways of choosing the positions of a step (see the module docstring)
 SELECTORS = ("random", "partitioned")

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gossamer.comm.base import Communicator
 from gossamer.patterns.nonfinite import NonFiniteError
 from gossamer.patterns.overlap import CommThread, overlaps
-from gossamer.comm.base import Communicator
 
 __all__ = ["HookState"]
 

@@ -60,13 +60,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossamer.patterns.nonfinite import (
-    all_finite,
-    describe_nonfinite,
-    flag_words,
-    ranks_from_flags,
-    set_flag,
-)
 from gossamer.checks import check_positive
 from gossamer.comm.base import Communicator
 from gossamer.compress import Compressor, DGCMemory, Memory, take_over_momentum
@@ -74,6 +67,13 @@ from gossamer.compress.dgc import apply_weight_decay, decay_in_gradient, follow_
 from gossamer.compress.reducer import CompressedReducer, check_node_size
 from gossamer.compress.registry import Compression, parse_compression
 from gossamer.hooks.agreement import HookState, hook_communicator
+from gossamer.patterns.nonfinite import (
+    all_finite,
+    describe_nonfinite,
+    flag_words,
+    ranks_from_flags,
+    set_flag,
+)
 
 __all__ = [
     "CompressionState",

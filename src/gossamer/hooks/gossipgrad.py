@@ -45,9 +45,9 @@ from torch import nn
 
 from gossamer.algorithms.base import average_tensors, model_tensors
 from gossamer.algorithms.gossipgrad import GradientGossip
-from gossamer.patterns.nonfinite import agree, all_finite
 from gossamer.comm.base import Communicator
 from gossamer.hooks.agreement import HookState, hook_communicator
+from gossamer.patterns.nonfinite import agree, all_finite
 
 __all__ = ["GossipGraDState", "gossipgrad_hook"]
 

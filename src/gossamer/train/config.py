@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from gossamer.algorithms import Algorithm, AllReduce, create, with_compression
-from gossamer.patterns.nonfinite import POLICIES as NONFINITE_POLICIES
 from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.rate import parse_rate
 from gossamer.options import option, option_help
+from gossamer.patterns.nonfinite import POLICIES as NONFINITE_POLICIES
 
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
