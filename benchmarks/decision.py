@@ -176,8 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=3, help="methods per cell (default 3)")
     parser.add_argument("--every-worker-up-to", type=int, default=32, metavar="N",
                         help="a method the planner simulates worker by worker (not symmetric: "
-                        "WAGMA, AD-PSGD, Streaming DiLoCo) is left out above N workers, where "
-                        "its simulation takes minutes to hours (default 32)")
+                        "WAGMA, AD-PSGD) is left out above N workers, where its simulation "
+                        "takes minutes to hours (default 32)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the predictions of an earlier decision.json of the same "
                         "settings, and time only the missing ones")
