@@ -153,9 +153,7 @@ def _spawn_fresh(fn: Callable[..., Any], world_size: int, args: Sequence[Any], t
 
         # Each child is its own job: an outer launcher's variables (a torchrun agent's store)
         # must not be used.
-        # gloo also where CUDA would make NCCL from_env's default (a child that asks for
-        # NCCL by name still gets it)
-        env = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
+        env = _child_environment()
         port = free_port()
         with Supervisor(grace=_GRACE, linger=_LINGER, is_failure=is_failure) as children:
             for rank in range(world_size):
@@ -202,7 +200,7 @@ class _Pool:
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix="gossamer-pool-"))
         self.calls = 0
-        env = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
+        env = _child_environment()
         self.children = []
         for rank in range(world_size):
             with open(self.folder / f"rank{rank}.log", "wb") as log:  # the child's output
@@ -219,7 +217,7 @@ class _Pool:
         n, self.calls = self.calls, self.calls + 1
         preparation = mp_spawn.get_preparation_data("gossamer-spawn")
         preparation.pop("authkey", None)
-        environ = {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
+        environ = _child_environment()
         # two pickles: the second unpickles once the first has prepared sys.path and __main__
         _write(self.folder / f"call{n}.pkl", pickle.dumps((preparation, environ, free_port()))
                + pickle.dumps((fn, tuple(args))))
@@ -333,6 +331,13 @@ def _resident_main() -> None:
         finally:
             _destroy_process_group()
         n += 1
+
+
+def _child_environment() -> dict[str, str]:
+    """A child's environment: this process's without a launcher's variables, one thread, and
+    gloo also where CUDA would make NCCL from_env's default (a child that asks for NCCL by
+    name still gets it)."""
+    return {**without_launcher(), "OMP_NUM_THREADS": "1", BACKEND_VARIABLE: "gloo"}
 
 
 def _name(fn: Callable[..., Any]) -> str:

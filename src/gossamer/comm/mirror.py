@@ -205,12 +205,7 @@ class MirrorComm(SimComm):
 
     # ---- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        if op not in ("sum", "mean"):
-            raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
-        if self._worker.parts:
-            self._local_work()
-        self._count("all_reduce")
-        self._all_reduce_traffic(tensor)
+        self._start_all_reduce(tensor, op)
         n = self.world_size
         numel, esize = tensor.numel(), tensor.element_size()
         if n == 1:

@@ -890,13 +890,18 @@ class SimComm:
         self._replay(plan)
 
     # ---- collectives
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+    def _start_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """What every all-reduce does first: check ``op``, finish the local work, count the
+        call and its traffic (shared with MirrorComm)."""
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         if self._worker.parts:
             self._local_work()
         self._count("all_reduce")
         self._all_reduce_traffic(tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._start_all_reduce(tensor, op)
         if len(self._members) == 1:
             return tensor
         signature = ("all_reduce", op, tuple(tensor.shape), tensor.dtype)
