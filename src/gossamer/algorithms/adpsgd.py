@@ -53,6 +53,7 @@ from torch import nn
 from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
 from gossamer.comm.base import Communicator, Handle
+from gossamer.patterns.mailbox import Inbox, Outbox
 from gossamer.topology import Topology
 
 
@@ -108,8 +109,8 @@ class ADPSGDRuntime(GossipRuntime):
         # active: the request out (at most one), by peer: the parameters it carried and the
         # reply's receive
         self.outstanding: dict[int, tuple[torch.Tensor, Handle]] = {}
-        self.posted: dict[int, Handle] = {}  # passive: the receive posted for each peer
-        self.sending: list[Handle] = []  # sends not known to be complete yet
+        self.inbox: Inbox | None = None  # passive: a receive posted for each peer
+        self.outbox = Outbox()  # sends not known to be complete yet
         self._pair()
         # statistics
         self.averagings = 0  # pairwise averages this worker took part in
@@ -136,8 +137,7 @@ class ADPSGDRuntime(GossipRuntime):
     def _post_receives(self) -> None:
         self.open = True  # requests may be in flight; settle() closes
         if not self.active:
-            self.posted = {a: self.comm.exchange({}, [a], recv_like=self._like())
-                           for a in self.neighbors}
+            self.inbox = Inbox(self.comm, self.neighbors, self._like())
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -146,11 +146,9 @@ class ADPSGDRuntime(GossipRuntime):
         if self.active:
             self._request(x)
         self.write_parameters(x)
-        # gloo reports a send complete only once waited for: wait for the older ones, whose
-        # receives are posted (a passive worker keeps one posted per active neighbour)
-        self.sending = [h for h in self.sending if not h.ready()]
-        while len(self.sending) > len(self.neighbors):
-            self.sending.pop(0).wait()
+        # all but the newest sends, one per neighbour, have their receives posted (a passive
+        # worker keeps one posted per active neighbour; a reply's is posted with its request)
+        self.outbox.keep_at_most(len(self.neighbors))
         self.periodic_average()
 
     def _take_replies(self, x: torch.Tensor, block: bool) -> torch.Tensor:
@@ -175,7 +173,7 @@ class ADPSGDRuntime(GossipRuntime):
         self.next_peer = (self.next_peer + 1) % len(self.neighbors)
         sent = x.clone()  # the reply's receive first: the reply never waits for it
         self.outstanding[peer] = (sent, self.comm.exchange({}, [peer], recv_like=sent))
-        self.sending.append(self.comm.exchange({peer: sent}, []))
+        self.outbox.add(self.comm.exchange({peer: sent}, []))
         self.requests[peer] += 1
         self._record("request", peer, self.requests[peer])
 
@@ -183,12 +181,11 @@ class ADPSGDRuntime(GossipRuntime):
                 ) -> torch.Tensor:
         """Passive: answer the requests that have arrived (or, with ``block``, the first
         ``until[peer]`` requests of each peer): average, and reply with the average."""
+        assert self.inbox is not None
         for peer in self.neighbors:
-            while (self.requests[peer] < until[peer]) if block else self.posted[peer].ready():
-                request = self.posted[peer].wait()[peer]
-                x = (x + request) / 2
-                self.posted[peer] = self.comm.exchange({}, [peer], recv_like=x)  # the next
-                self.sending.append(self.comm.exchange({peer: x}, []))  # x is not modified
+            while (self.requests[peer] < until[peer]) if block else self.inbox.ready(peer):
+                x = (x + self.inbox.take(peer)) / 2  # the next receive posted
+                self.outbox.add(self.comm.exchange({peer: x}, []))  # x is not modified
                 self.averagings += 1
                 self.requests[peer] += 1
                 self._record("answer", peer, self.requests[peer])
@@ -216,16 +213,16 @@ class ADPSGDRuntime(GossipRuntime):
         if self.active:
             x = self._take_replies(x, block=True)
             closing = torch.zeros_like(x)
-            self.sending += [self.comm.exchange({p: closing}, []) for p in self.neighbors]
+            for p in self.neighbors:
+                self.outbox.add(self.comm.exchange({p: closing}, []))
         else:
             until = {a: int(counts[a * n + self.comm.rank]) for a in self.neighbors}
             x = self._answer(x, block=True, until=until)
+            assert self.inbox is not None
             for peer in self.neighbors:
-                self.posted.pop(peer).wait()  # the closing message
+                self.inbox.close(peer)  # the closing message
         self.write_parameters(x)
-        for handle in self.sending:
-            handle.wait()
-        self.sending = []
+        self.outbox.wait_all()
         self.requests = {p: 0 for p in self.neighbors}
         if restart:
             self._post_receives()
@@ -268,8 +265,9 @@ class ADPSGDRuntime(GossipRuntime):
         rebound = comm is self.comm and self.open  # a rejoining worker's receives, on comm
         if comm is not self.comm:  # the old communicator is dead: nothing on it is waited on
             self.outstanding.clear()
-            self.posted = {}
-            self.sending = []
+            if self.inbox is not None:
+                self.inbox.drop()
+            self.outbox.drop()
         # closed, so that the average below settles nothing: the old communicator is dead,
         # the members settled before a rejoin, and a rejoining worker has nothing in flight
         self.open = False

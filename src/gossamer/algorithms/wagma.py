@@ -44,7 +44,7 @@ staleness bound. A runtime whose ``events`` is set to a list records there, per 
 stamps of the models it averaged (for tests and the oracle in ``tests/oracles``).
 
 Going on without a failed worker (``on_failure="continue"``, see
-:meth:`WAGMA.for_members` and :meth:`WAGMARuntime.change_membership`): the groups are rebuilt
+:meth:`WAGMA.for_members` and :meth:`WAGMAChannels.change_membership`): the groups are rebuilt
 for the members, with the largest group size not above the configured one that divides their
 number; what was in flight over the old communicator is dropped; the members agree on the
 round (the largest any of them reached) and start from their exact average.
@@ -63,8 +63,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, deque
-from collections.abc import Iterable
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,20 +71,12 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm
-from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
+from gossamer.algorithms.gossip import GossipAlgorithm
+from gossamer.algorithms.wagma_channels import INITIAL, WAGMAChannels
 from gossamer.checks import check_int
-from gossamer.comm.base import Communicator, Handle
+from gossamer.comm.base import Communicator
 from gossamer.options import option
 from gossamer.topology import Topology
-
-# message kinds (the second of the three int64 values after the parameters)
-_DATA = 0  # a model published for a round
-_HOLD = 1  # the sender pauses (evaluation, checkpoint, end): use these until it publishes
-_CLOSE = 2  # the sender closes the channel (settle); the parameters are its current ones
-# (neither is a model published for a round: they are kept apart from ``models``, so that a
-# pause leaves the rounds after it as they would have been)
-_TRAILER = 32  # bytes after the parameters: stamp, kind, acknowledgement, until (int64 each)
-_INITIAL = 0  # the stamp of the initial parameters: round 0's model, equal on every worker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,43 +170,14 @@ def member_group_size(group_size: int, world_size: int) -> int:
                default=1)
 
 
-class WAGMARuntime(GossipRuntime):
-    """One worker of WAGMA: its round, the recent models published to it by each
-    partner, and the receives and sends it has in flight."""
+class WAGMARuntime(WAGMAChannels):
+    """One worker of WAGMA: each round's group average with bounded staleness (its rounds,
+    the models published to it and its channels are those of :class:`WAGMAChannels`)."""
 
     def __init__(self, config: WAGMA, comm: Communicator, model: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(config, comm, model, optimizer)
         self.config: WAGMA = config
-        #: every worker this one is grouped with in some round
-        self.partners = self._partners()
-        flat = self.flat.buffers[0]
-        self._dtype, self._numel = flat.dtype, flat.numel()
-        # the receive template on the model's device: a message lands there (a CPU template
-        # put every received model of a GPU run, or of a timing-only one, in host memory)
-        self._like = torch.empty(self._numel * flat.element_size() + _TRAILER,
-                                 dtype=torch.uint8, device=flat.device)
-        # internal state
-        self.round = 0  # the next round this worker executes
-        self._waited = False  # whether the last group average waited for a member
-        self._paused_at: int | None = None  # the step after which this worker last paused
-        initial = self.read_parameters()  # equal on every worker (distribute broadcasts)
-        #: per partner, the models it published that may still be averaged: first round
-        #: -> (last round it is the partner's model for, the model). A model is published
-        #: for one round, or, when its owner skips rounds, for each round it skipped
-        self.models: dict[int, dict[int, tuple[int, torch.Tensor]]] = {
-            m: {_INITIAL: (_INITIAL, initial)} for m in self.partners}
-        #: partners paused (see pause()): their round and current parameters
-        self.held: dict[int, tuple[int, torch.Tensor]] = {}
-        # receives posted for each open partner, oldest first: tau + 1 of them, so that a
-        # worker busy computing can receive as many rounds as others may run ahead
-        self.window = config.tau + 1
-        self.posted: dict[int, deque[Handle]] = {}
-        self.outbox: dict[int, deque[tuple[int, Handle]]] = {}  # sends kept, per partner
-        self.sent: dict[int, int] = {}  # messages sent to each partner
-        self.taken: dict[int, int] = {}  # messages taken from each partner
-        self.acked: dict[int, int] = {}  # of ours, the most each partner said it has taken
-        self.open = False  # whether receives are posted (settle() closes them)
         # statistics
         self.group_averages = 0  # rounds averaged in a group
         self.rounds_skipped = 0  # rounds this worker jumped over to catch up
@@ -225,129 +187,6 @@ class WAGMARuntime(GossipRuntime):
         #: {member: its age in rounds}) per round; kept only when recording (set
         #: ``events = []``)
         self.events: list[tuple[int, int, str, dict[int, int], dict[int, int]]] | None = None
-        if self.asynchronous:
-            self._post_receives()
-
-    @property
-    def asynchronous(self) -> bool:
-        """Whether rounds may differ between workers (tau >= 1 and more than one worker)."""
-        return self.config.tau > 0 and self.comm.world_size > 1
-
-    # ---- the schedule
-    def _partners(self) -> list[int]:
-        """Every worker this one is grouped with in some round of the topology."""
-        period = self.topology.period
-        return sorted({j for p in range(period) for j in self._group_of(p)} - {self.comm.rank})
-
-    def _group_of(self, round_: int) -> list[int]:
-        rank = self.comm.rank
-        return next(g for g in self.topology.groups(round_) if rank in g)
-
-    def groups(self, round_: int) -> list[list[int]]:
-        """Every group of ``round_`` (they partition the ranks)."""
-        return self.topology.groups(round_)
-
-    def is_global(self, round_: int) -> bool:
-        """Whether ``round_`` is an exact average of all."""
-        every = self.config.allreduce_every
-        return bool(every) and (round_ + 1) % every == 0
-
-    def _next_global(self) -> int:
-        every = self.config.allreduce_every
-        return self.round + (every - 1 - self.round % every)
-
-    # ---- messages: the flat parameters, then three int64: the round stamp, the kind, and
-    # how many messages the sender has taken from the receiver (an acknowledgement)
-    def _post_receives(self) -> None:
-        self.posted = {m: deque(self.comm.exchange({}, [m], recv_like=self._like)
-                                for _ in range(self.window)) for m in self.partners}
-        self.outbox = {m: deque() for m in self.partners}
-        self.sent = dict.fromkeys(self.partners, 0)
-        self.taken = dict.fromkeys(self.partners, 0)
-        self.acked = dict.fromkeys(self.partners, 0)
-        self.open = True
-
-    def _take(self, peer: int) -> None:
-        """Complete the oldest receive from ``peer`` and keep what it says."""
-        message = self.posted[peer].popleft().wait()[peer]
-        stamp, kind, acked, until = (int(v) for v in message[-_TRAILER:].view(torch.int64))
-        x = message[:-_TRAILER].view(self._dtype).clone()
-        self.taken[peer] += 1
-        self.acked[peer] = max(self.acked[peer], acked)
-        if kind == _CLOSE:  # the sender closes every receive posted for it
-            for handle in self.posted.pop(peer):
-                handle.wait()
-        else:
-            self.posted[peer].append(self.comm.exchange({}, [peer], recv_like=self._like))
-        if kind == _HOLD:  # paused: these are its current parameters until it resumes
-            self.held[peer] = (stamp, x)
-        elif kind == _DATA:
-            known = self.models[peer]
-            if stamp not in known or until >= known[stamp][0]:  # not older than what we hold
-                known[stamp] = (until, x)
-        self._release(peer)
-
-    def _newest(self, peer: int) -> tuple[int, torch.Tensor]:
-        """The last round ``peer`` has published a model for, and that model."""
-        stamp = max(self.models[peer])
-        return self.models[peer][stamp]
-
-    def _model_for(self, peer: int, q: int) -> tuple[int, int, torch.Tensor] | None:
-        """``peer``'s model for round ``q``: its age in rounds (0: its model of that round),
-        its stamp and the model; None while it has published nothing for round ``q`` or
-        earlier. A model published for later rounds only is never used for ``q``: it
-        already holds this worker's contribution to them."""
-        known = self.models[peer]
-        current = [stamp for stamp, (until, _) in known.items() if stamp <= q <= until]
-        if current:
-            stamp = max(current)
-            return 0, stamp, known[stamp][1]
-        older = [stamp for stamp, (until, _) in known.items() if until < q]
-        if not older:
-            return None
-        stamp = max(older, key=lambda k: known[k][0])
-        return q - known[stamp][0], stamp, known[stamp][1]
-
-    def _forget(self) -> None:
-        """Drop the models no later round can use: published for rounds before the oldest
-        this worker may still average with (the newest of each partner is kept)."""
-        oldest = self.round - self.config.tau
-        for known in self.models.values():
-            newest = max(known)
-            for stamp in [k for k, (until, _) in known.items() if until < oldest and k != newest]:
-                del known[stamp]
-
-    def _release(self, peer: int) -> None:
-        """Forget the sends to ``peer`` known to be complete. gloo reports a send complete
-        only once waited for, and waiting for one the peer has no receive posted for could
-        wait for ever; but the peer keeps ``window`` receives posted beyond the messages it
-        has acknowledged, so those sends are matched and their wait returns."""
-        box = self.outbox[peer]
-        while box and (box[0][0] <= self.acked[peer] + self.window or box[0][1].ready()):
-            box.popleft()[1].wait()
-
-    def _drain(self) -> None:
-        """Take every message that has arrived (never blocks)."""
-        for peer in list(self.posted):
-            while peer in self.posted and self.posted[peer][0].ready():
-                self._take(peer)
-
-    def _send(self, x: torch.Tensor, stamp: int, kind: int, peers: Iterable[int],
-              until: int | None = None) -> None:
-        payload = x.view(torch.uint8)
-        until = stamp if until is None else until
-        for m in sorted(set(peers) - {self.comm.rank}):
-            trailer = torch.tensor([stamp, kind, self.taken[m], until]).view(torch.uint8)
-            self.sent[m] += 1
-            handle = self.comm.exchange({m: torch.cat([payload, trailer])}, [])
-            self.outbox[m].append((self.sent[m], handle))
-            self._release(m)
-
-    def _publish(self, x: torch.Tensor, stamp: int, rounds: Iterable[int],
-                 until: int | None = None) -> None:
-        """Send ``x``, this worker's model for rounds ``stamp`` to ``until`` (default: for
-        ``stamp`` only), to the other members of the groups of ``rounds``."""
-        self._send(x, stamp, _DATA, {m for r in rounds for m in self._group_of(r)}, until)
 
     # ---- a step
     @torch.no_grad()
@@ -372,7 +211,7 @@ class WAGMARuntime(GossipRuntime):
             x = self._average(x, q)
         self.write_parameters(x)  # the optimizer applies g(x_t) to the group's average
         self.round = q + 1
-        self._forget()
+        self.published.forget(self.round - self.config.tau)  # what no later round can use
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -391,8 +230,8 @@ class WAGMARuntime(GossipRuntime):
         waits for this worker) and this worker did not itself wait in its last round, that
         round: it skips to the front. A partner one round ahead is the normal case (it finished
         its step first), not a reason to skip. Never past a global round."""
-        newest = max((self._newest(m)[0] for m in self.partners if m not in self.held),
-                     default=_INITIAL)
+        newest = max((self.published.newest(m)[0] for m in self.partners if m not in self.held),
+                     default=INITIAL)
         if newest - self.round > self.config.tau and not self._waited:
             q = newest  # others wait for us: skip to the front
         else:
@@ -409,13 +248,13 @@ class WAGMARuntime(GossipRuntime):
         self._waited = False
         stamps, ages = {}, {}
         for m in members:
-            found = self._model_for(m, q)
+            found = self.published.model_for(m, q)
             if not _within(found, self.config.tau) and m not in self.held:
                 self.waits += 1
                 self._waited = True
                 while not _within(found, self.config.tau) and m not in self.held:
                     self._take(m)
-                    found = self._model_for(m, q)
+                    found = self.published.model_for(m, q)
             if m in self.held and not _within(found, 0):
                 # paused before round q: its current parameters
                 age, (stamp, contribution) = 0, self.held[m]
@@ -440,156 +279,18 @@ class WAGMARuntime(GossipRuntime):
         self.group_averages += 1
         return total / (len(members) + 1)
 
-    def _global_average(self, x: torch.Tensor, q: int, done: bool) -> tuple[torch.Tensor, bool]:
-        """Round ``q``'s exact average of all; ``done`` says this worker is paused. Returns
-        the average and whether every worker was paused: then no worker executes round
-        ``q`` (the all-reduce was only the pause's agreement) and ``x`` comes back as it was,
-        the round not taken."""
-        if self.asynchronous:  # one more element: the fraction of paused workers
-            buffer = torch.cat([x, x.new_tensor([1.0 if done else 0.0])])
-            self.comm.all_reduce(buffer, op="mean")
-            if bool(buffer[-1] == 1.0):
-                return x, True
-            x, all_done = buffer[:-1], False
-            for m in self.partners:  # every partner now holds exactly x
-                self.models[m] = {q: (q, x)}
-        else:
-            self.comm.all_reduce(x, op="mean")
-            all_done = done
-        self.synchronizations += 1
-        self.round = q + 1
-        return x, all_done
-
-    # ---- pausing, settling, checkpoints
-    @torch.no_grad()
-    def pause(self) -> None:
-        """Bring every worker to a halt before a collective indexed by steps (evaluation,
-        checkpoint, end), which would otherwise interleave with the rounds of workers that
-        are rounds behind or ahead. Collective: every worker calls it after the same step;
-        a second call after the same step does nothing.
-
-        The partners are told to use this worker's current parameters meanwhile (a hold
-        message), so that nobody waits for a paused worker. With global rounds the paused
-        workers agree in an all-reduce shaped as a global round's (a worker may be blocked
-        in one, waiting for the others): while some worker is still in a global round, the
-        paused ones take part in it with their current parameters and adopt its average
-        (that round comes early for them); once all have paused, the last all-reduce is
-        only the agreement and changes nothing. So a pause averages nothing unless a worker
-        was in a global round. At the end every hold message has been taken and every
-        worker resumes as an ordinary member, its round and the models it keeps as they were
-        (but for a global round it joined).
-        """
-        if not self.open or self._paused_at == self.step:  # synchronous, settled, or paused
-            return
-        x = self.read_parameters()
-        self._send(x, self.round, _HOLD, self.partners)
-        if self.config.allreduce_every:
-            joined, all_done = False, False
-            while not all_done:
-                y, all_done = self._global_average(x, self._next_global(), done=True)
-                joined, x = joined or not all_done, y
-            if joined:
-                self.write_parameters(x)
-        else:
-            self.comm.barrier()
-        for peer in self.partners:
-            while peer not in self.held:  # everything it sent before pausing
-                self._take(peer)
-        self.held.clear()
-        self._paused_at = self.step
-
-    @torch.no_grad()
-    def settle(self, restart: bool = False) -> None:
-        """Pause, then take in every message in flight and close the channels. With
-        ``restart`` the receives are posted again."""
-        if not self.open:
-            return
-        self.pause()
-        for _ in range(self.window):  # one for each receive posted
-            self._send(self.read_parameters(), self.round, _CLOSE, self.partners)
-        for peer in self.partners:
-            while peer in self.posted:  # until its closing message
-                self._take(peer)
-        self.open = False
-        for box in self.outbox.values():  # every partner took everything
-            for _, handle in box:
-                handle.wait()
-        if restart:
-            self._post_receives()
-
-    def before_eval(self) -> None:
-        self.pause()
-        super().before_eval()
-
-    # ---- a membership change (on_failure="continue")
     @torch.no_grad()
     def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
-        """Go on over ``comm`` with ``algorithm`` (``WAGMA.for_members``: the groups for the
-        new number of members). Collective over ``comm``.
-
-        1. What was in flight over the old communicator is dropped, never waited for: the
-           receives posted there, the sends not known complete, the models partners
-           published (their ranks were the old ones), the pauses. A failure may have come in
-           the middle of a round: nothing of it is settled, since settling would wait for
-           the dead worker; the dead worker's models, and those of live partners not taken
-           yet, are lost (the exact average below makes up for them).
-        2. The topology is rebuilt for the new ranks, and the members average exactly
-           (parameters and floating-point buffers).
-        3. The members agree on the round: the largest any of them reached (an all-gather
-           of one integer), so that the group of each round and the exact average every
-           ``allreduce_every`` rounds stay the same on every member, and no member's round
-           goes back (a member behind skips to it, as it would to catch up).
-        4. Each member knows every partner's model for that round: the average it holds
-           itself. So the next round's group average needs no message (it gives the average
-           back), and the rounds after it go on as usual; receives are posted anew over
-           ``comm``.
-
-        A worker that rejoins binds its runtime over ``comm`` itself, which posts its
-        receives there: they are kept (nothing has been sent to it yet), not posted twice.
-        Statistics (rounds, waits, ages) are kept."""
         assert isinstance(algorithm, WAGMA)
-        rebound = comm is self.comm and self.open  # receives posted over comm already
-        if not rebound:  # dropped: never waited for (the old communicator is dead)
-            self.posted, self.outbox = {}, {}
-            self.sent, self.taken, self.acked = {}, {}, {}
-            self.open = False
-        super().change_membership(comm, algorithm)  # topology, then the exact average
-        self.config = algorithm
-        device = self.flat.buffers[0].device
-        rounds = comm.all_gather(torch.tensor([self.round], dtype=torch.int64, device=device))
-        self.round = max(int(r.reshape(-1)[0]) for r in rounds)
-        self.partners = self._partners()
-        self.window = algorithm.tau + 1
-        x = self.read_parameters()
-        self.models = {m: {self.round: (self.round, x)} for m in self.partners}
-        self.held.clear()
-        self._waited = False
-        self._paused_at = None
-        if self.asynchronous and not rebound:
-            self._post_receives()
-        elif rebound and sorted(self.posted) != self.partners:
-            raise ValueError(f"{algorithm.name}: the receives posted over the members' "
-                             "communicator are for other partners than its groups give")
+        super().change_membership(comm, algorithm)
 
     def state_dict(self) -> dict[str, Any]:
-        self.settle(restart=True)  # nothing in flight: the state is what this worker holds
-        return {**super().state_dict(), "round": self.round,
-                "models": {str(m): {str(k): v for k, v in known.items()}
-                           for m, known in self.models.items()},
-                "waited": self._waited,
+        return {**super().state_dict(),  # settled first: nothing in flight
                 "group_averages": self.group_averages, "rounds_skipped": self.rounds_skipped,
                 "waits": self.waits, "ages": dict(self.ages)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.round = int(state["round"])
-        self.models = {int(m): {int(k): (int(until), x.to(self._dtype))
-                                 for k, (until, x) in known.items()}
-                       for m, known in state["models"].items()}
-        # whether its last round waited decides whether its next may skip (a checkpoint
-        # from before it was saved: False)
-        self._waited = bool(state.get("waited", False))
-        self._paused_at = None  # (rounds may have run since a pause at the loaded step)
         self.group_averages = int(state["group_averages"])
         self.rounds_skipped = int(state["rounds_skipped"])
         self.waits = int(state["waits"])

@@ -7,7 +7,12 @@ written once, used by every method that needs it, and tested on SimWorld and on 
   the method's own messages;
 - :mod:`~gossamer.patterns.scattered`: the mean of a vector as a reduce-scatter and an
   all-gather over point-to-point exchanges, low-precision with error feedback, never blocking;
-- :mod:`~gossamer.patterns.fragments`: a model split into fragments of whole layers.
+- :mod:`~gossamer.patterns.fragments`: a model split into fragments of whole layers;
+- :mod:`~gossamer.patterns.mailbox`: point-to-point channels with receives posted ahead, sends
+  kept until known complete, and stamped messages with acknowledgements and a closing
+  handshake (the asynchronous methods, WAGMA and AD-PSGD);
+- :mod:`~gossamer.patterns.staleness`: the models partners published for rounds, looked up by
+  age, behind a bounded-staleness average.
 
 A method's module then holds its configuration, its schedule and its arithmetic.
 """
