@@ -40,44 +40,19 @@ from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
 from gossamer.patterns.nonfinite import agree, all_finite
+from gossamer.torch_internals import (
+    global_step_hooks,
+    mark_step_hooked,
+    profiler_enabled,
+    run_step_with_hooks,
+    scaler_found_inf,
+    takes_amp_scaling,
+    unwrapped_step,
+)
 
 #: torch's own ``Optimizer.zero_grad`` (DistributedOptimizer.zero_grad does its work directly
 #: for an optimizer that keeps it)
 _TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-
-
-def _global_hooks() -> tuple[dict, dict] | None:
-    from torch.optim import optimizer as torch_optimizer
-
-    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
-    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
-    return None if pre is None or post is None else (pre, post)
-
-
-_GLOBAL_HOOKS = _global_hooks()  # torch's own dictionaries: hooks registered later are in them
-# the code of the wrapper torch puts around every optimizer class's step
-_TORCH_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
-
-
-def _hooked_step(self: torch.optim.Optimizer, args: tuple, kwargs: dict,
-                 call: Callable[..., Any]) -> Any:
-    """``call(*args, **kwargs)``, ``self``'s step, between the global and ``self``'s own step
-    hooks, as torch's wrapper runs them: in its order, each hook with ``(self, args, kwargs)``
-    where ``args`` holds ``self`` first, and a pre-hook may replace ``args`` and ``kwargs``."""
-    assert _GLOBAL_HOOKS is not None
-    pre, post = _GLOBAL_HOOKS
-    for pre_hook in [*pre.values(), *self._optimizer_step_pre_hooks.values()]:
-        result = pre_hook(self, args, kwargs)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"{call} must return None or a tuple of (new_args, "
-                                   f"new_kwargs), but got {result}.")
-            args, kwargs = result
-    out = call(*args, **kwargs)
-    self._optimizer_step_code()
-    for post_hook in [*self._optimizer_step_post_hooks.values(), *post.values()]:
-        post_hook(self, args, kwargs)
-    return out
 
 
 def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,19 +61,18 @@ def _with_step_hooks(step: Callable[..., Any]) -> Callable[..., Any]:
     record named as torch names it. The record is entered only while a profiler runs:
     entering one costs about 6 us, which the wrapped optimizer's step pays already, and a
     small model's whole step takes 300 us (the simulator runs hundreds of them a step)."""
-    if _GLOBAL_HOOKS is None:  # a torch without them: its own wrapper
+    if global_step_hooks() is None:  # a torch without them: its own wrapper
         return torch.optim.Optimizer.profile_hook_step(step)
 
     @functools.wraps(step)
     def wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        if torch._C._autograd._profiler_enabled():
+        if profiler_enabled():
             name = f"Optimizer.step#{type(self).__name__}.step"
             with torch.autograd.profiler.record_function(name):
-                return _hooked_step(self, (self, *args), kwargs, step)
-        return _hooked_step(self, (self, *args), kwargs, step)
+                return run_step_with_hooks(self, (self, *args), kwargs, step)
+        return run_step_with_hooks(self, (self, *args), kwargs, step)
 
-    wrapper.hooked = True  # type: ignore[attr-defined]  # torch's own wrapper then stays off
-    return wrapper
+    return mark_step_hooked(wrapper)  # torch's own wrapper then stays off
 
 
 def _step_wrapped(optimizer: torch.optim.Optimizer) -> None:
@@ -108,16 +82,19 @@ def _step_wrapped(optimizer: torch.optim.Optimizer) -> None:
     which every simulated worker pays.
     A step set on the object (an LR scheduler's counter), another wrapper, ``torch.compile``
     or a torch without the global hooks: ``optimizer.step()`` itself."""
-    step = type(optimizer).step
-    if (getattr(step, "__code__", None) is _TORCH_STEP_CODE and _GLOBAL_HOOKS is not None
-            and "step" not in vars(optimizer)
-            and not torch._C._autograd._profiler_enabled()
+    body = unwrapped_step(type(optimizer).step)
+    if (body is not None and "step" not in vars(optimizer)
+            and not profiler_enabled()
             and not torch.compiler.is_compiling()):
-        _hooked_step(optimizer, (optimizer,), {}, step.__wrapped__)
+        run_step_with_hooks(optimizer, (optimizer,), {}, body)
     else:
         optimizer.step()
 
 
+# GradScaler.step() hands the unscaling and the decision to skip to step() (the scale and its
+# own found-inf as attributes ``grad_scale`` and ``found_inf``), instead of not calling step()
+# where it found an overflow, which would leave the other workers waiting in the collective
+@takes_amp_scaling
 class DistributedOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` with a distributed algorithm around the wrapped one's step.
 
@@ -140,12 +117,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     the step as a whole and reports the overflow to its scaler, so that ``scaler.update()``
     lowers every worker's scale alike.
     """
-
-    #: GradScaler.step() then hands the unscaling and the decision to skip to step() (the
-    #: scale and its own found-inf as attributes ``grad_scale`` and ``found_inf``), instead of
-    #: not calling step() where it found an overflow, which would leave the other workers
-    #: waiting in the step's collective.
-    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime,
                  scaler: torch.amp.GradScaler | None = None) -> None:
@@ -194,7 +165,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inner = self.optimizer
         if (set_to_none and type(inner).zero_grad is _TORCH_ZERO_GRAD
                 and "zero_grad" not in vars(inner)  # nor one set on the object
-                and not torch._C._autograd._profiler_enabled()
+                and not profiler_enabled()
                 and not torch.compiler.is_compiling()):
             for group in inner.param_groups:
                 for p in group["params"]:
@@ -267,8 +238,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _unscale(self, found_inf: torch.Tensor) -> bool:
         # the scaler given to distribute() has recorded its check of this optimizer's
-        # gradients, unless another one (or one not given) calls
-        if self.scaler is None or not self.scaler._found_inf_per_device(self):
+        # gradients, unless another one (or one not given) calls; a torch that no longer shows
+        # the record (None) cannot tell
+        if self.scaler is None or scaler_found_inf(self.scaler, self) == {}:
             raise ValueError("scaler: a GradScaler that distribute() was not given "
                              "(scaler=...) steps this optimizer; the workers could not keep "
                              "its scale the same")
@@ -282,8 +254,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _report_overflow(self) -> None:
         """Make ``scaler.update()`` see the agreed overflow on this worker too. It updates the
         scale from the found-inf it recorded for this optimizer, which it checked here alone;
-        GradScaler offers no public way to set it."""
-        for found_inf in self.scaler._found_inf_per_device(self).values():
+        GradScaler offers no public way to set it (see :mod:`gossamer.torch_internals`)."""
+        for found_inf in (scaler_found_inf(self.scaler, self) or {}).values():
             found_inf.fill_(1.0)
 
     def synchronize(self) -> None:
