@@ -24,7 +24,7 @@ from gossamer.comm.environment import LaunchEnv, launch_env_from, launched
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.rate import format_rate, parse_rate
 from gossamer.comm.sim import SimReport, SimulationError, SimWorld
-from gossamer.comm.torch_comm import TorchCommunicator
+from gossamer.comm.torch_comm import Liveness, TorchCommunicator
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -36,6 +36,7 @@ __all__ = [
     "ComputeModel",
     "Handle",
     "LaunchEnv",
+    "Liveness",
     "NetworkModel",
     "SimReport",
     "SimWorld",

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import ipaddress
+import math
 import os
 import re
 import select
@@ -25,6 +27,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
 
@@ -54,17 +57,64 @@ from gossamer.comm.p2p_group import P2PGroup, check_headers, divide_, numel_of, 
 
 __all__ = [
     "LaunchEnv",
+    "Liveness",
     "TorchCommunicator",
     "expand_nodelist",
     "launch_env_from",
 ]
 
-HEARTBEAT_INTERVAL = 0.5  # seconds between beats
-_DIAGNOSE_GAP = 1.5  # seconds between the two reads of the peers' beats (three beats)
-_STORE_SETTLE = 0.25  # seconds a diagnosis waits before its first store call (see _diagnose)
+HEARTBEAT_INTERVAL = 0.5  # seconds between beats (at the default Liveness)
 _STORE_READ_TIMEOUT = 5.0  # a diagnosis must not hang on a store that does not answer
-_CLOSE_WAIT = 3.0  # the store's host waits this long at most for the others to close
-_DEAD_AFTER = 3.0  # seconds without a heartbeat after which a peer counts as dead
+#: the environment variable that scales every interval of :class:`Liveness`
+LIVENESS_VARIABLE = "GOSSAMER_LIVENESS_SCALE"
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How a :class:`TorchCommunicator` tells a dead peer from a slow one, in seconds.
+
+    Attributes:
+        heartbeat: between two beats of a worker's heartbeat thread (default 0.5).
+        dead_after: a peer whose last beat is older is dead (default 3.0: six beats).
+        diagnose_gap: between the two reads of the peers' beats that diagnose a failure
+            (default 1.5: three beats; a live peer beats in between).
+        store_settle: a diagnosis waits this long before its first store call, so that the
+            store host's own death, if that is what happened, shows first (default 0.25).
+        close_wait: the store's host waits at most this long for the others to close
+            (default 3.0).
+
+    ``Liveness.from_env()`` (what a communicator uses unless given one) multiplies every
+    interval by ``GOSSAMER_LIVENESS_SCALE`` (default 1). Below 1 a dead peer is noticed and
+    named sooner, and a loaded machine's live peer is more likely taken for dead: the tests
+    shorten them so; a job has no reason to.
+    """
+
+    heartbeat: float = HEARTBEAT_INTERVAL
+    dead_after: float = 3.0
+    diagnose_gap: float = 1.5
+    store_settle: float = 0.25
+    close_wait: float = 3.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{f.name} must be a number of seconds > 0, got {value!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Liveness:
+        """The default intervals times ``GOSSAMER_LIVENESS_SCALE`` (a number > 0)."""
+        text = (os.environ if environ is None else environ).get(LIVENESS_VARIABLE, "")
+        if not text:
+            return cls()
+        try:
+            scale = float(text)
+        except ValueError:
+            scale = math.nan
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{LIVENESS_VARIABLE} must be a number > 0 (it multiplies the "
+                             f"heartbeat and failure-diagnosis intervals), got {text!r}")
+        return cls(**{f.name: getattr(cls(), f.name) * scale for f in dataclasses.fields(cls)})
 
 _OPEN: weakref.WeakSet[TorchCommunicator] = weakref.WeakSet()  # not closed yet
 # torch's error for a tensor on a device the group's backend does not carry
@@ -104,7 +154,7 @@ def _release_registered() -> None:
 
 class _Heartbeat:
     """A daemon thread that writes ``{counter}:{op_seq}:{time}:{op_label}`` to the store every
-    0.5 s.
+    ``comm.liveness.heartbeat`` seconds (0.5 s).
 
     It has its own store connection, so it beats while the main thread is blocked in a
     collective; a second connection serves the main thread's reads when it diagnoses a failure.
@@ -116,6 +166,7 @@ class _Heartbeat:
     def __init__(self, host: str, port: int, prefix: str, comm: TorchCommunicator) -> None:
         self.host, self.port, self.prefix = host, port, prefix
         self._comm = comm
+        self._interval = comm.liveness.heartbeat
         connect = timedelta(seconds=min(comm.timeout, 60.0))
         self._writer = dist.TCPStore(host, port, is_master=False, timeout=connect,
                                      wait_for_workers=False)
@@ -159,7 +210,7 @@ class _Heartbeat:
         self._writer.set(self._key, f"{self._counter}:{seq}:{time.time():.3f}:{label}")
 
     def _run(self) -> None:
-        while not self._stop.wait(HEARTBEAT_INTERVAL):
+        while not self._stop.wait(self._interval):
             if not self.store_alive():
                 return  # the store's host is gone (the job is ending, or it died)
             try:
@@ -188,20 +239,21 @@ class _Heartbeat:
     def halt(self) -> None:
         """Stop beating, as a frozen process would, without counting this rank as closed."""
         self._stop.set()
-        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
+        self._thread.join(timeout=2 * self._interval + _STORE_READ_TIMEOUT)
 
     def stop(self, world_size: int, wait_for_all: bool, failure: CommError | None = None,
-             expected: int | None = None, patience: float = _CLOSE_WAIT) -> None:
+             expected: int | None = None, patience: float | None = None) -> None:
         """Stop beating and count this rank as closed.
 
         After a ``failure`` the rank leaves its diagnosis in the store, so that a peer that
         diagnoses later learns that this one left on purpose, and whom it blamed. The store's
         host waits for ``expected`` ranks (default: all) to close, at most ``patience``
-        seconds: beats that hit a vanished store spam C++ warnings, and a peer still diagnosing
-        a failure needs the store to tell a dead rank from one that left.
+        seconds (default: the communicator's ``liveness.close_wait``): beats that hit a
+        vanished store spam C++ warnings, and a peer still diagnosing a failure needs the
+        store to tell a dead rank from one that left.
         """
         self._stop.set()
-        self._thread.join(timeout=2 * HEARTBEAT_INTERVAL + _STORE_READ_TIMEOUT)
+        self._thread.join(timeout=2 * self._interval + _STORE_READ_TIMEOUT)
         key = f"{self.prefix}/closed"
         try:
             if not self.store_alive():
@@ -211,6 +263,8 @@ class _Heartbeat:
                 self._reader.set(self._left_key(self._global_rank), f"{failure.op}|{suspects}")
             closed = self._reader.add(key, 1)
             wanted = world_size if expected is None else expected
+            if patience is None:
+                patience = self._comm.liveness.close_wait
             end = time.monotonic() + patience
             while wait_for_all and closed < wanted and time.monotonic() < end:
                 time.sleep(0.05)
@@ -322,6 +376,8 @@ class TorchCommunicator:
             they name every peer of the failed operation as a suspect.
         heartbeat_prefix: the store keys of the heartbeat (default: from the restart count and
             the group's name).
+        liveness: the heartbeat's and the failure diagnosis's intervals (default:
+            :meth:`Liveness.from_env`).
 
     Tensors go to the backend on their own device (gloo: CPU, NCCL: CUDA). After a CommError
     the process group is in an undefined state: stop, or restart the job.
@@ -339,6 +395,7 @@ class TorchCommunicator:
         store: dist.Store | None = None,
         store_addr: tuple[str, int] | None = None,
         heartbeat_prefix: str | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -372,6 +429,8 @@ class TorchCommunicator:
         if store_addr is None and isinstance(store, dist.TCPStore):
             store_addr = (store.host, store.port)
         self._heartbeat: _Heartbeat | None = None
+        #: how a dead peer is told from a slow one (default: Liveness.from_env())
+        self.liveness = liveness if liveness is not None else Liveness.from_env()
         _OPEN.add(self)
         _release_registered()
         if store_addr is not None:
@@ -490,15 +549,15 @@ class TorchCommunicator:
         return self._store
 
     def peer_alive(self, rank: int) -> bool:
-        """Whether ``rank``'s heartbeat beat within the last three seconds (True without a
-        heartbeat store: nothing says otherwise)."""
+        """Whether ``rank``'s heartbeat beat within ``liveness.dead_after`` seconds (3 s; True
+        without a heartbeat store: nothing says otherwise)."""
         if self._heartbeat is None or rank == self._rank:
             return True
         try:
             beat = self._heartbeat.read(self._global_ranks[rank])
         except Exception:  # noqa: BLE001 - a store that does not answer says nothing
             return True
-        return beat is not None and time.time() - beat[2] < _DEAD_AFTER
+        return beat is not None and time.time() - beat[2] < self.liveness.dead_after
 
     def regroup(self, rank: int, members: Sequence[int], name: str) -> TorchCommunicator:
         """Close this communicator and make one over a new default group of
@@ -742,9 +801,11 @@ class TorchCommunicator:
             else:
                 # the peers still diagnosing the failure need the store: its host waits for
                 # every rank not blamed to close, as long as one may take to notice and diagnose
+                live = self.liveness
                 self._heartbeat.stop(size, wait_for_all=hosting, failure=failed,
                                      expected=size - len(failed.peers),
-                                     patience=self._timeout + 2 * _DIAGNOSE_GAP + _CLOSE_WAIT)
+                                     patience=self._timeout + 2 * live.diagnose_gap
+                                     + live.close_wait)
             self._heartbeat = None
         _OPEN.discard(self)
         if self._owns_group and dist.is_initialized():
@@ -851,11 +912,11 @@ class TorchCommunicator:
             # so its liveness is checked before each round of reads. A failure seen now may be
             # the host's own death, whose end-of-file on the idle socket can come a moment
             # after the peer's connection closed: let it arrive first.
-            time.sleep(_STORE_SETTLE)
+            time.sleep(self.liveness.store_settle)
             if not hb.store_alive():
                 raise ConnectionError("its host closed the connection")
             first = {p: hb.read(self._global_ranks[p]) for p in peers}
-            time.sleep(_DIAGNOSE_GAP)
+            time.sleep(self.liveness.diagnose_gap)
             if not hb.store_alive():
                 raise ConnectionError("its host closed the connection")
             second = {p: hb.read(self._global_ranks[p]) for p in peers}
