@@ -29,6 +29,7 @@ Tests that compare many runs can also make them all in one call, one after anoth
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import os
 import pickle
@@ -186,13 +187,15 @@ def _spawn_fresh(fn: Callable[..., Any], world_size: int, args: Sequence[Any], t
 #: set to 1: every spawn_gloo call starts fresh processes (no pool)
 FRESH_VARIABLE = "GOSSAMER_FRESH_SPAWN"
 _RESIDENT = "from gossamer.testing import _resident_main; _resident_main()"
-_POLL = 0.01  # seconds between looks for a call (child) or for results (parent)
+_POLL = 0.01  # seconds between the parent's looks for results
 _pools: dict[int, _Pool] = {}
 
 
 class _Pool:
     """``world_size`` resident children, each running the calls written to ``folder`` in turn
-    (``callN.pkl``; results ``rankR.returnedN`` or ``rankR.raisedN``)."""
+    (``callN.pkl``; results ``rankR.returnedN`` or ``rankR.raisedN``). A child waits for its
+    next call blocked on its standard input, where the parent writes a line per call: an idle
+    child takes no CPU, and reads end-of-file when the parent closes the pool or dies."""
 
     def __init__(self, world_size: int) -> None:
         import subprocess
@@ -207,7 +210,7 @@ class _Pool:
                 self.children.append(subprocess.Popen(
                     [sys.executable, "-c", _RESIDENT, str(self.folder), str(rank),
                      str(world_size), str(os.getpid())],
-                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+                    env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT))
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any]:
         """``fn(*args)`` on every rank: their results, or the errors of :func:`spawn_gloo`
@@ -221,6 +224,10 @@ class _Pool:
         # two pickles: the second unpickles once the first has prepared sys.path and __main__
         _write(self.folder / f"call{n}.pkl", pickle.dumps((preparation, environ, free_port()))
                + pickle.dumps((fn, tuple(args))))
+        for child in self.children:  # (a child gone shows below, as one that failed)
+            with contextlib.suppress(OSError):
+                child.stdin.write(b"%d\n" % n)
+                child.stdin.flush()
         ranks = range(self.world_size)
         returned = [self.folder / f"rank{r}.returned{n}" for r in ranks]
         raised = [self.folder / f"rank{r}.raised{n}" for r in ranks]
@@ -261,6 +268,8 @@ class _Pool:
         import shutil
 
         for child in self.children:
+            with contextlib.suppress(OSError):
+                child.stdin.close()
             if child.poll() is None:
                 child.kill()
         for child in self.children:
@@ -295,23 +304,21 @@ atexit.register(close_pools)
 def _resident_main() -> None:
     """A resident child of the pool: each call in turn, in the state of a fresh process."""
     import random
-    import time
 
     import numpy as np
     import torch
 
     folder, rank = Path(sys.argv[1]), int(sys.argv[2])
-    world_size, parent = int(sys.argv[3]), int(sys.argv[4])
+    world_size = int(sys.argv[3])  # (argv[4], the parent's pid, names the pool in ps)
     torch.set_num_threads(1)  # two cores for several processes: threads would only fight
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
     n = 0
+    calls = sys.stdin.buffer
     while True:
+        if not calls.readline():  # end of file: the parent closed the pool, or is gone
+            return
         call = folder / f"call{n}.pkl"
-        while not call.exists():
-            if os.getppid() != parent:  # the parent is gone
-                return
-            time.sleep(_POLL)
         stream = io.BytesIO(call.read_bytes())
         preparation, environ, port = pickle.load(stream)
         os.environ.clear()
