@@ -2,7 +2,8 @@
 
 A block that is a fragment (a loop to put around the reader's own model, a script to start
 under torchrun) says so on the line before it, ``<!-- fragment: why -->``; it must still be
-valid Python. Every other block runs in a fresh process, in an empty directory, and prints what
+valid Python. Every other block runs in a process of its own (forked from a warm one:
+gossamer.warm.run_python), in an empty directory, and prints what
 the page shows it printing: in comment lines right below a ``print(...)`` call (``# `` and the
 line; a number may be shown rounded), and in the console block right after it
 (``$ python NAME.py``).
@@ -13,12 +14,12 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-import subprocess
-import sys
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
+
+from gossamer.warm import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -102,8 +103,7 @@ def test_the_outputs_in_comments_are_read():
 def test_every_python_example_runs(where, code, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    done = run_python([str(script)], cwd=tmp_path, timeout=300)
     assert done.returncode == 0, f"{where}:\n{done.stderr[-3000:]}"
     printed = (done.stdout + done.stderr).splitlines()
     missing = [x for x in _shown_in_comments(code)
@@ -512,12 +512,12 @@ def test_every_printed_output_is_what_the_command_prints(where, commands, script
         if _runs_script(command, script):
             continue  # checked in test_every_python_example_runs, from its run of the script
         if command.argv is not None:
-            argv = [sys.executable, "-m", "gossamer", *command.argv]
+            args = ["-m", "gossamer", *command.argv]
         else:
-            argv = [sys.executable, *command.words[1:]]
+            args = command.words[1:]
             if command.words[1].endswith(".py"):
                 (tmp_path / command.words[1]).write_text(script)
-        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        done = run_python(args, cwd=tmp_path, timeout=300)
         printed = (done.stdout + done.stderr).splitlines()
         fails = any(re.match(r"gossamer \w+: ", x) for x in command.output)
         if not fails:  # a failure shows the command's message: "gossamer train: ..."

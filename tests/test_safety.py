@@ -120,18 +120,16 @@ def test_all_interfaces_only_when_asked_and_with_a_warning(
 @pytest.mark.gloo
 def test_train_bind_all_flag_warns() -> None:
     import os
-    import subprocess
-    import sys
+
+    from gossamer.warm import run_python
 
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    args = [sys.executable, "-m", "gossamer", "train", "--steps", "2", "--quiet",
-            "--eval-every", "0"]
-    quiet = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    args = ["-m", "gossamer", "train", "--steps", "2", "--quiet", "--eval-every", "0"]
+    quiet = run_python(args, cwd=os.getcwd(), env=env, timeout=120)
     assert quiet.returncode == 0, quiet.stderr
     assert "no authentication" not in quiet.stderr
     env["MASTER_PORT"] = str(free_port())
-    loud = subprocess.run([*args, "--bind-all"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    loud = run_python([*args, "--bind-all"], cwd=os.getcwd(), env=env, timeout=120)
     assert loud.returncode == 0, loud.stderr
     assert "no authentication" in loud.stderr
