@@ -129,7 +129,7 @@ CASES = [
     # step moves by more than the local progress, by design (the oracle holds it)
     Case("diloco-plain-outer", DiLoCo(period=4, outer_lr=1.0, outer_momentum=0.0,
                                       outer_nesterov=False)),
-    Case("diloco-groups-of-2", DiLoCo(period=3, group_size=2, outer_lr=1.0,
+    Case("diloco-groups-of-2", DiLoCo(period=3, replica_size=2, outer_lr=1.0,
                                       outer_momentum=0.0, outer_nesterov=False)),
     # Streaming DiLoCo keeps the sum without overlap: each fragment's merge mixes a replica
     # with the mean of all; with tau > 0 the global fragment misses the last tau steps, which

@@ -99,9 +99,9 @@ def test_real_processes_not_started_by_gossamer_launch_are_refused(monkeypatch, 
         run_training(TrainConfig(algorithm="sgp", steps=2, on_failure="continue"))
 
 
-def test_a_group_size_that_does_not_divide_the_survivors_is_an_error_naming_it():
-    with pytest.raises(SimulationError, match="group_size=2 does not divide the 3 workers"):
-        _tiny("diloco", "1:3:crash", on_failure="continue", options={"group_size": 2})
+def test_a_replica_size_that_does_not_divide_the_survivors_is_an_error_naming_it():
+    with pytest.raises(SimulationError, match="replica_size=2 does not divide the 3 workers"):
+        _tiny("diloco", "1:3:crash", on_failure="continue", options={"replica_size": 2})
     with pytest.raises(SimulationError, match="local_group_size=2 does not divide"):
         _tiny("gossipgrad", "1:3:crash", on_failure="continue", options={"local_group_size": 2})
     with pytest.raises(SimulationError, match="topology='cube' needs a power-of-two"):

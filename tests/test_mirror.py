@@ -18,7 +18,7 @@ COMPUTE = ComputeModel(step_time=0.01)
 DIGITS = MODELS["digits-mlp"][0]
 FIELDS = ("step_time", "mean_step_time", "bytes_per_step", "idle_fraction")
 #: options that change a symmetric method's pattern: groups, hierarchy, topologies, periods
-VARIANTS = ("allreduce:compression=topk:node_size=4,diloco:group_size=4,localsgd:period=3,"
+VARIANTS = ("allreduce:compression=topk:node_size=4,diloco:replica_size=4,localsgd:period=3,"
             "sgp:allreduce_every=2,dpsgd:topology=exponential,gossipgrad:local_group_size=2,"
             "gossipgrad:topology=cube")
 

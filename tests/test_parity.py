@@ -104,13 +104,13 @@ def _cases() -> list[Case]:
         Case("wagma-tau0", WAGMA(tau=0)),
         Case("wagma-g2-no-global", WAGMA(group_size=2, allreduce_every=0)),
         # DiLoCo between groups of 2 that all-reduce gradients, and through a compressor
-        Case("diloco-groups-of-2", DiLoCo(period=4, group_size=2)),
+        Case("diloco-groups-of-2", DiLoCo(period=4, replica_size=2)),
         Case("diloco-topk", DiLoCo(period=4, compression="topk:ratio=0.1")),
         # DGC's sparse payloads reduced by regions (exchanges) and all-gathered
         Case("dgc-sparse-allreduce", AllReduce(compression="dgc:ratio=0.01",
                                                aggregation="sparse_allreduce")),
         Case("streaming-diloco-groups-int8",
-             StreamingDiLoCo(period=8, fragments=2, tau=2, group_size=2, precision="int8")),
+             StreamingDiLoCo(period=8, fragments=2, tau=2, replica_size=2, precision="int8")),
     ]
     return cases
 

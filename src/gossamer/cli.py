@@ -142,6 +142,7 @@ def _compare(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     for flag, given in (("--algorithm", args.algorithm), ("--option", args.option),
                         ("--group-size", args.group_size),
+                        ("--replica-size", args.replica_size),
                         ("--compressor", args.compressor), ("--run-dir", args.run_dir),
                         ("--resume", args.resume), ("--sim", args.sim)):
         if given:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -58,12 +59,23 @@ def describe_options(cls: type) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-def converted(cls: type, options: Mapping[str, Any], owner: str) -> dict[str, Any]:
+def converted(cls: type, options: Mapping[str, Any], owner: str,
+              renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``options`` as keyword arguments of the dataclass ``cls``: each name checked against its
     init fields (ValueError naming ``owner``, e.g. ``"algorithm 'sgp'"``, and listing them) and
-    each string converted to the field's type (:func:`convert`)."""
+    each string converted to the field's type (:func:`convert`). ``renamed`` maps an option's
+    old name to its new one: the old name is read with a note on stderr (both: an error)."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls) if f.init]
+    options = dict(options)
+    for old, new in (renamed or {}).items():
+        if old in options:
+            if new in options:
+                raise ValueError(f"{owner}: options {old!r} and {new!r} are the same ({old!r} "
+                                 f"is its old name); give {new!r} only")
+            print(f"note: {owner}: option {old!r} is now {new!r} (the old name is read for "
+                  "one more release)", file=sys.stderr)
+            options[new] = options.pop(old)
     kwargs = {}
     for key, value in options.items():
         if key not in known:

@@ -12,7 +12,7 @@ The outer optimizer is SGD with Nesterov momentum as torch's ``SGD(nesterov=True
 ``theta = theta - lr (Delta + mu b)``; without Nesterov ``theta = theta - lr b``. The inner
 optimizers' states stay local. The round's length H comes from a ``PeriodFn`` as in
 :mod:`oracles.local_sgd` (a constant H, or the Quadratic Synchronization Rule), the last
-round cut to end at the last step. With ``group_size`` G, the workers of a group (consecutive
+round cut to end at the last step. With ``replica_size`` G, the workers of a replica (consecutive
 ranks) average their gradients before each inner step.
 
 Streaming DiLoCo, Douillard et al., "Streaming DiLoCo with overlapping communication" (2025,
@@ -97,19 +97,19 @@ class _OuterSGD:
 
 
 def _inner_steps(x: list[torch.Tensor], k: int, grad: GradFn, lr: float, inner: _Inner,
-                 group_size: int) -> list[torch.Tensor]:
+                 replica_size: int) -> list[torch.Tensor]:
     n = len(x)
     grads = [grad(i, k, x[i]) for i in range(n)]
-    if group_size > 1:  # the members of a group all-reduce their gradients
-        grads = [_mean(grads[(i // group_size) * group_size:(i // group_size + 1) * group_size])
-                 for i in range(n)]
+    if replica_size > 1:  # the members of a replica all-reduce their gradients
+        r = replica_size
+        grads = [_mean(grads[(i // r) * r:(i // r + 1) * r]) for i in range(n)]
     return [inner.step(i, k, x[i], grads[i], lr) for i in range(n)]
 
 
 def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period: PeriodFn, *,
            optimizer: str = "sgd", momentum: float = 0.0, weight_decay: float = 0.0,
            outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-           group_size: int = 1, warmup_steps: int = 0) -> Run:
+           replica_size: int = 1, warmup_steps: int = 0) -> Run:
     """DiLoCo (Algorithm 1) on ``n`` workers from ``x0``, ``len(lrs)`` inner steps; a round
     that starts before ``warmup_steps`` ends with a plain average (synchronous training)."""
     steps = len(lrs)
@@ -126,7 +126,7 @@ def diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float], period:
             previous = lr
             run.periods.append((k, h))
             end = k + h - 1
-        x = _inner_steps(x, k, grad, lr, inner, group_size)
+        x = _inner_steps(x, k, grad, lr, inner, replica_size)
         if k == end and run.periods[-1][0] < warmup_steps:
             theta = _mean(x)
             x = [theta.clone() for _ in range(n)]

@@ -19,7 +19,8 @@ Runtimes talk to other workers only through a :class:`~gossamer.comm.Communicato
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -45,6 +46,8 @@ class Algorithm(ABC):
     #: within 2 points of AllReduce, where its defaults do not ("" when they do): shown by
     #: `gossamer algorithms`; `gossamer compare` leaves such methods out of its default set.
     needs: ClassVar[str] = ""
+    #: Options renamed, old name -> new: the old name is read (with a note) for one release.
+    renamed_options: ClassVar[Mapping[str, str]] = MappingProxyType({})
 
     def symmetric(self) -> bool:
         """Whether, on a cluster of equal workers and links, every worker makes the same calls

@@ -22,11 +22,12 @@ What this library adds to the paper:
 - **Compression**: the pseudo-gradients can go through any compressor of the library
   (``compression="topk:ratio=0.01"``, ...) with its error feedback: what a worker did not
   send is added to its next pseudo-gradient.
-- **Groups** (``group_size`` G > 1): consecutive ranks form groups whose members all-reduce
-  their gradients after every backward pass, so a group trains as one data-parallel replica
-  (torchft's replica groups); DiLoCo runs between the groups. The members of a group hold the
-  same parameters, so each worker all-reduces the pseudo-gradient only with the workers of the
-  same position in the other groups.
+- **Replicas of several workers** (``replica_size`` R > 1): consecutive ranks form a replica
+  whose members all-reduce their gradients after every backward pass, so that it trains as one
+  data-parallel replica (torchft's replica groups); DiLoCo runs between the replicas. The
+  members of a replica hold the same parameters, so each worker all-reduces the
+  pseudo-gradient only with the workers of the same position in the other replicas.
+  (``group_size``, this option's old name, is read with a note for one more release.)
 
 The global parameters and the outer optimizer's state are part of the runtime's state, so
 checkpoints hold them.
@@ -42,8 +43,9 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -95,9 +97,10 @@ class DiLoCo(QSR):
         compression: a compressor spec for the pseudo-gradients, ``"topk:ratio=0.01"`` (see
             :mod:`gossamer.compress.registry`), with its error feedback (default None: the
             exact float32 average). DGC's memory is a gradient method's and is refused.
-        group_size: workers per group (default 1: every worker is its own replica); the
-            members of a group all-reduce gradients every step (``bucket_mb`` per collective).
-        bucket_mb: MiB per gradient all-reduce inside a group (default 25).
+        replica_size: workers per replica (default 1: every worker is a replica of its own);
+            the members of a replica all-reduce gradients every step (``bucket_mb`` per
+            collective).
+        bucket_mb: MiB per gradient all-reduce inside a replica (default 25).
         warmup_steps: rounds that start before this step last ``warmup_period`` steps (1)
             and end with a plain exact average, no outer step: synchronous training while the
             learning rate warms up, as the paper's DiLoCo starts from a model trained
@@ -112,6 +115,8 @@ class DiLoCo(QSR):
 
     name: ClassVar[str] = "diloco"
     continues_after_failure: ClassVar[bool] = True
+    renamed_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"group_size": "replica_size"})
     #: the number of outer steps is what a worker counts as synchronisations
     cap_to_end: ClassVar[bool] = True
 
@@ -128,9 +133,9 @@ class DiLoCo(QSR):
     compression: Compression | str | None = option(
         None, "pseudo-gradients through a compressor spec NAME[:KEY=VALUE...], with its error "
         "feedback (topk, randomk, qsgd, powersgd, fp16); none: the exact float32 average")
-    group_size: int = option(1, "workers per group: they all-reduce gradients every step, and "
-                             "DiLoCo runs between the groups")
-    bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a group")
+    replica_size: int = option(1, "workers per replica: they all-reduce gradients every step, "
+                               "and DiLoCo runs between the replicas")
+    bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a replica")
     warmup_steps: int = option(0, "rounds starting before this step last warmup_period steps "
                                "and end with a plain average (synchronous warm-up), no outer "
                                "step")
@@ -159,7 +164,7 @@ class DiLoCo(QSR):
                                  "momentum; use topk, randomk, qsgd, powersgd or fp16 for "
                                  "pseudo-gradients")
             object.__setattr__(self, "compression", compression)
-        check_int("group_size", self.group_size, 1)
+        check_int("replica_size", self.replica_size, 1)
         if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
                 and self.bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
@@ -170,8 +175,8 @@ class DiLoCo(QSR):
         return super().round_period(step, lr, previous_lr)
 
     def validate(self, world_size: int) -> None:
-        if world_size % self.group_size:
-            raise ValueError(f"group_size={self.group_size} does not divide the "
+        if world_size % self.replica_size:
+            raise ValueError(f"replica_size={self.replica_size} does not divide the "
                              f"{world_size} workers")
 
     def make_outer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -194,15 +199,15 @@ class DiLoCo(QSR):
         return DiLoCoRuntime(self, comm, model, optimizer)
 
 
-def group_communicators(comm: Communicator, group_size: int
+def group_communicators(comm: Communicator, replica_size: int
                         ) -> tuple[Communicator | None, Communicator]:
-    """(this worker's group, or None for groups of one; the workers of the same position in
-    every group), for groups of ``group_size`` consecutive ranks."""
-    if group_size == 1:
+    """(this worker's replica, or None for replicas of one; the workers of the same position
+    in every replica), for replicas of ``replica_size`` consecutive ranks."""
+    if replica_size == 1:
         return None, comm
-    group, position = divmod(comm.rank, group_size)
-    members = list(range(group * group_size, (group + 1) * group_size))
-    across = [position + j * group_size for j in range(comm.world_size // group_size)]
+    replica, position = divmod(comm.rank, replica_size)
+    members = list(range(replica * replica_size, (replica + 1) * replica_size))
+    across = [position + j * replica_size for j in range(comm.world_size // replica_size)]
     return comm.group(members), comm.group(across)
 
 
@@ -265,7 +270,7 @@ class DiLoCoRuntime(LocalSGDRuntime):
         """The group, the communicator across the groups and the compressor over it, for
         the workers of ``comm``."""
         config = self.config
-        self.group, self.across = group_communicators(comm, config.group_size)
+        self.group, self.across = group_communicators(comm, config.replica_size)
         # the group's gradient all-reduce: a group trains as one data-parallel replica
         self.inner: AllReduceRuntime | None = None
         if self.group is not None:
@@ -284,7 +289,7 @@ class DiLoCoRuntime(LocalSGDRuntime):
 
     @torch.no_grad()
     def change_membership(self, comm: Communicator, algorithm: Any) -> None:
-        """The groups (``group_size`` must divide the new world size) and the compression
+        """The groups (``replica_size`` must divide the new world size) and the compression
         (its memory emptied) rebuilt for the new members; the members agree on the global
         parameters and the outer optimizer (:meth:`_agree_on_outer`); then an outer step over
         them. Collective over ``comm``."""
@@ -324,7 +329,7 @@ class DiLoCoRuntime(LocalSGDRuntime):
         super().rejoin(comm, algorithm)
 
     def _reconnect(self, comm: Communicator, algorithm: Any) -> None:
-        """Over the workers of ``comm``: the communicator, the groups (``group_size`` must
+        """Over the workers of ``comm``: the communicator, the groups (``replica_size`` must
         divide the new world size) and the compression (its memory emptied)."""
         algorithm.validate(comm.world_size)
         self.comm = comm

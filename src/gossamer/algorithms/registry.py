@@ -50,7 +50,8 @@ def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
         create("allreduce", {"bucket_mb": "10"})  # AllReduce(bucket_mb=10.0)
     """
     cls = lookup(name)
-    return cls(**converted(cls, options or {}, owner=f"algorithm {name!r}"))
+    return cls(**converted(cls, options or {}, owner=f"algorithm {name!r}",
+                           renamed=cls.renamed_options))
 
 
 def describe(name: str) -> list[tuple[str, str, Any]]:

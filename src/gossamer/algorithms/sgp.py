@@ -61,7 +61,8 @@ class SGP(GossipAlgorithm):
     continues_after_failure: ClassVar[bool] = True
 
     peers_per_step: int = option(1, "higher: faster mixing, proportionally more bytes per step")
-    tau: int = option(0, "higher: more overlap of communication with computation, staler mixing")
+    tau: int = option(0, "Overlap SGP's tau: steps between sending and mixing; higher: "
+                      "more overlap of communication with computation, staler mixing")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,7 +93,8 @@ class OSGP(SGP):
 
     name: ClassVar[str] = "osgp"
 
-    tau: int = option(1, "higher: more overlap of communication with computation, staler mixing")
+    tau: int = option(1, "Overlap SGP's tau: steps between sending and mixing; higher: "
+                      "more overlap of communication with computation, staler mixing")
 
 
 class SGPRuntime(GossipRuntime):

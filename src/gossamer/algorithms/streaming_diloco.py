@@ -44,7 +44,7 @@ What gossamer adds to the paper:
   synchronisation takes one exact outer step (unquantised, mixing 0), and a fragment
   synchronised at the last step takes none: with ``mixing`` > 0 its replicas, which differ by
   the local share each kept, become their exact average. Every replica ends the same.
-- **DiLoCo's options**: ``group_size``; ``average_buffers`` (the floating-point buffers,
+- **DiLoCo's options**: ``replica_size``; ``average_buffers`` (the floating-point buffers,
   averaged exactly at every fragment's synchronisation) and ``average_optimizer_state`` (the
   inner optimizer's state of a fragment's parameters, averaged exactly at its
   synchronisation).
@@ -119,7 +119,7 @@ class StreamingDiLoCo(DiLoCo):
         average_buffers, average_optimizer_state: the floating-point buffers, and the inner
             optimizer's state of a fragment's parameters, averaged exactly at each fragment's
             synchronisation (default False).
-        (the outer optimizer, ``group_size`` and the other options of :class:`DiLoCo`; the
+        (the outer optimizer, ``replica_size`` and the other options of :class:`DiLoCo`; the
         period is constant: ``alpha``, ``warmup_period`` and ``compression`` are not taken.)
     """
 
@@ -134,7 +134,7 @@ class StreamingDiLoCo(DiLoCo):
                             "steps")
     pattern: str = option("strided", "strided: block i of the model in fragment i mod P; "
                           "sequential: consecutive layers")
-    tau: int = option(1, "inner steps each exchange overlaps; < H / P")
+    tau: int = option(1, "the paper's tau: inner steps each exchange overlaps; < H / P")
     mixing: float = option(0.5, "the paper's alpha: local = mixing * local + (1 - mixing) * "
                            "global after a fragment's outer step")
     precision: str = option("int4", "pseudo-gradients on the wire: float32, bfloat16, int8, "
@@ -406,7 +406,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
 
     @torch.no_grad()
     def change_membership(self, comm: Communicator, algorithm: Any) -> None:
-        """Go on over the members of ``comm`` (``on_failure="continue"``; ``group_size``
+        """Go on over the members of ``comm`` (``on_failure="continue"``; ``replica_size``
         must divide their number).
 
         1. The fragment's exchange in flight is dropped, never waited on: its messages

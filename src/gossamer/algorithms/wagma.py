@@ -101,8 +101,10 @@ class WAGMA(GossipAlgorithm):
     default_topology: ClassVar[str] = "butterfly_groups"
     continues_after_failure: ClassVar[bool] = True
 
-    group_size: int = option(4, "higher: groups average more workers, more bytes per round")
-    tau: int = option(1, "higher: hides slower stragglers, staler contributions")
+    group_size: int = option(4, "the paper's group size: workers per averaging group; higher: "
+                             "groups average more workers, more bytes per round")
+    tau: int = option(1, "the staleness bound in rounds (gossamer's, see docs/algorithms.md); "
+                      "higher: hides slower stragglers, staler contributions")
     allreduce_every: int = option(10, "lower: closer replicas, more global barriers")
 
     def __post_init__(self) -> None:

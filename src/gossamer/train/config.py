@@ -588,10 +588,14 @@ def add_config_arguments(parser: argparse.ArgumentParser,
                                    "algorithm, repeatable (e.g. --option bucket_mb=10); see "
                                    "`gossamer algorithms`")
                 group.add_argument("--group-size", type=int, default=None, metavar="G",
-                                   help=help_text if name in hidden else "workers per group, "
-                                   "for the methods that form groups (diloco and "
-                                   "streaming-diloco between groups that all-reduce gradients, "
-                                   "wagma): --option group_size=G")
+                                   help=help_text if name in hidden else "workers per "
+                                   "averaging group of wagma (the paper's group size): "
+                                   "--option group_size=G")
+                group.add_argument("--replica-size", type=int, default=None, metavar="R",
+                                   help=help_text if name in hidden else "workers per replica "
+                                   "of diloco and streaming-diloco: they all-reduce gradients "
+                                   "every step, and the method runs between the replicas: "
+                                   "--option replica_size=R")
                 group.add_argument("--compressor", default=None, metavar="NAME[:KEY=VALUE...]",
                                    help=help_text if name in hidden else "send a "
                                    "gradient-level method's gradients through this compressor "
@@ -639,11 +643,21 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
         value = getattr(args, name, None)
         if value is not None:
             settings[name] = tuple(value) if name in ("milestones", *_REPEATED) else value
-    if getattr(args, "option", None) or getattr(args, "group_size", None) is not None:
+    sizes = {key: getattr(args, key, None) for key in ("group_size", "replica_size")}
+    if getattr(args, "option", None) or any(v is not None for v in sizes.values()):
         options = dict(settings.get("options", {}))
         options.update(parse_options(args.option or []))
-        if getattr(args, "group_size", None) is not None:
-            options["group_size"] = str(args.group_size)
+        given: dict[str, str] = {}  # option -> the flag that set it
+        for key, value in sizes.items():
+            if value is not None:
+                option_name = _renamed_flag(settings.get("algorithm"), key)
+                flag = "--" + key.replace("_", "-")
+                if option_name in given:
+                    raise ValueError(f"{given[option_name]} and {flag} are the same setting of "
+                                     f"{settings.get('algorithm')}; give "
+                                     f"--{option_name.replace('_', '-')} only")
+                given[option_name] = flag
+                options[option_name] = str(value)
         settings["options"] = options
     if getattr(args, "compressor", None):
         settings["compressor"] = args.compressor
@@ -651,6 +665,25 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> TrainConfig:
     config = TrainConfig(**settings)
     config.check_effect()
     return config
+
+
+def _renamed_flag(algorithm: Any, key: str) -> str:
+    """The option a size flag sets: ``key``, or its new name where ``algorithm`` renamed it
+    (``--group-size`` for diloco is ``--replica-size``, with a note)."""
+    from gossamer.algorithms import lookup
+
+    if not isinstance(algorithm, str):
+        return key
+    try:
+        renamed = lookup(algorithm).renamed_options
+    except ValueError:  # an unknown algorithm is reported where it is resolved
+        return key
+    if key not in renamed:
+        return key
+    new = renamed[key]
+    print(f"note: --{key.replace('_', '-')} for {algorithm} is now --{new.replace('_', '-')} "
+          "(the old flag works for one more release)", file=sys.stderr)
+    return new
 
 
 def _drop_options_of_replaced_algorithm(settings: dict[str, Any], algorithm: Any) -> None:
