@@ -621,7 +621,7 @@ def test_the_old_group_size_of_diloco_still_works_with_a_note(tmp_path, capsys):
     assert "give --replica-size only" in capsys.readouterr().err
     assert main(["train", "--algorithm", "diloco", "--option", "group_size=2", "--option",
                  "replica_size=2", "--steps", "4"]) == 2
-    assert "give 'replica_size' only" in capsys.readouterr().err
+    assert "keep 'replica_size'" in capsys.readouterr().err
 
 
 def test_a_recipe_and_a_run_directory_saved_with_group_size_still_load(tmp_path, capsys):

@@ -68,14 +68,7 @@ def converted(cls: type, options: Mapping[str, Any], owner: str,
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls) if f.init]
     options = dict(options)
-    for old, new in (renamed or {}).items():
-        if old in options:
-            if new in options:
-                raise ValueError(f"{owner}: options {old!r} and {new!r} are the same ({old!r} "
-                                 f"is its old name); give {new!r} only")
-            print(f"note: {owner}: option {old!r} is now {new!r} (the old name is read for "
-                  "one more release)", file=sys.stderr)
-            options[new] = options.pop(old)
+    read_renamed(options, renamed or {}, owner, "option")
     kwargs = {}
     for key, value in options.items():
         if key not in known:
@@ -83,6 +76,21 @@ def converted(cls: type, options: Mapping[str, Any], owner: str,
                              f"{', '.join(sorted(known)) or 'none'}")
         kwargs[key] = convert(key, value, hints[key], owner=owner)
     return kwargs
+
+
+def read_renamed(settings: dict[str, Any], renamed: Mapping[str, str], where: str,
+                 what: str) -> None:
+    """Move each setting given under an old name of ``renamed`` (old -> new) to its new name,
+    with a note on stderr naming both; ValueError where both are given. ``where`` and
+    ``what`` name them in the messages (e.g. ``"algorithm 'diloco'"`` and ``"option"``)."""
+    for old, new in renamed.items():
+        if old in settings:
+            if new in settings:
+                raise ValueError(f"{where}: {old!r} and {new!r} are the same {what} ({old!r} "
+                                 f"is its old name); keep {new!r}")
+            print(f"note: {where}: {what} {old!r} is now {new!r} (the old name is read for "
+                  "one more release)", file=sys.stderr)
+            settings[new] = settings.pop(old)
 
 
 def type_name(tp: Any) -> str:

@@ -23,7 +23,7 @@ from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.rate import parse_rate
-from gossamer.options import option, option_help
+from gossamer.options import option, option_help, read_renamed
 from gossamer.patterns.nonfinite import POLICIES as NONFINITE_POLICIES
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -486,14 +486,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
                          f"{error.strerror or error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping of settings")
-    for old, new in _RENAMED.items():
-        if old in data:
-            if new in data:
-                raise ValueError(f"config file {str(path)!r}: {old!r} and {new!r} are the same "
-                                 f"setting ({old!r} is its old name); keep {new!r}")
-            print(f"note: config file {str(path)!r}: {old!r} is now {new!r} (the old name "
-                  "is read for one more release)", file=sys.stderr)
-            data[new] = data.pop(old)
+    read_renamed(data, _RENAMED, f"config file {str(path)!r}", "setting")
     for key in list(data):
         if key in _RECORD_ONLY:
             del data[key]
