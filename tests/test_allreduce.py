@@ -142,13 +142,14 @@ def test_distribute_rejects_bad_arguments():
 
 
 def test_a_cpu_model_goes_over_gloo_and_is_refused_by_an_nccl_communicator(monkeypatch):
-    from gossamer.comm import TorchCommunicator
+    from gossamer.comm import ProcessGroupBacked, TorchCommunicator
 
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    class NcclComm:  # what distribute reads of a communicator before it uses it
+    class NcclComm(ProcessGroupBacked):  # what distribute reads of a communicator first
         backend, rank, world_size = "nccl", 0, 2
+        process_group = store = timeout = None
 
     with pytest.raises(ValueError, match=r"model: its tensors are on cpu.*NCCL"):
         gossamer.distribute(model, opt, "allreduce", NcclComm())

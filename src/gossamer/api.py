@@ -374,7 +374,9 @@ def distribute(
 
         # a model on the CPU goes over gloo, also where CUDA would make NCCL the default
         comm = TorchCommunicator.from_env(backend="gloo" if devices == {"cpu"} else None)
-    if getattr(comm, "backend", None) == "nccl" and devices - {"cuda"}:
+    from gossamer.comm.base import ProcessGroupBacked
+
+    if isinstance(comm, ProcessGroupBacked) and comm.backend == "nccl" and devices - {"cuda"}:
         raise ValueError(
             f"model: its tensors are on {', '.join(sorted(devices))}, and the communicator's "
             "backend, NCCL, carries CUDA tensors only: move the model to the GPU "

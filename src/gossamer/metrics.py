@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, model_tensors
-from gossamer.comm.base import Communicator
+from gossamer.algorithms.base import RuntimeHolder
+from gossamer.comm.base import Communicator, IdleTime
 from gossamer.loggers import JSONLLogger, Logger
 
 __all__ = ["Recorder", "consensus_distance", "replica_mean", "snapshot"]
@@ -112,10 +113,10 @@ def snapshot(target: Any) -> dict[str, Any]:
 
     The counts only grow; subtract two snapshots for an interval.
     """
-    runtime = target.runtime if isinstance(getattr(target, "runtime", None), Runtime) else None
+    runtime = _runtime_of(target)
     comm = runtime.comm if runtime is not None else target
     stats = comm.stats
-    idle = getattr(comm, "idle_time", None)
+    idle = comm.idle_time if isinstance(comm, IdleTime) else None
     return {
         "rank": comm.rank,
         "world_size": comm.world_size,
@@ -135,9 +136,16 @@ def snapshot(target: Any) -> dict[str, Any]:
     }
 
 
+def _runtime_of(target: Any) -> Runtime | None:
+    """The runtime of the optimizer that ``distribute()`` returned; None for anything else."""
+    if isinstance(target, RuntimeHolder) and isinstance(target.runtime, Runtime):
+        return target.runtime
+    return None
+
+
 def _model_and_comm(target: Any, comm: Communicator | None) -> tuple[nn.Module, Communicator]:
-    runtime = getattr(target, "runtime", None)
-    if isinstance(runtime, Runtime):
+    runtime = _runtime_of(target)
+    if runtime is not None:
         return runtime.model, comm if comm is not None else runtime.comm
     if isinstance(target, nn.Module):
         if comm is None:
@@ -191,8 +199,8 @@ class Recorder:
                  algorithm: str | Algorithm | None = None,
                  config: Mapping[str, Any] | None = None, batch_size: int | None = None,
                  log_every: int = 10, loggers: Sequence[Logger] = ()) -> None:
-        runtime = getattr(optimizer, "runtime", None)
-        if not isinstance(runtime, Runtime):
+        runtime = _runtime_of(optimizer)
+        if runtime is None:
             raise ValueError(f"optimizer must be the optimizer distribute() returned, got "
                              f"{type(optimizer).__name__}")
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
@@ -209,7 +217,7 @@ class Recorder:
         self.log_every = log_every
         # internal state
         if algorithm is None:  # the configuration the runtime was bound from
-            algorithm = getattr(runtime, "config", None)
+            algorithm = runtime.config
             if not isinstance(algorithm, Algorithm):
                 raise ValueError("algorithm is needed: the optimizer's runtime does not say "
                                  "which method it runs")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -48,6 +48,13 @@ class Algorithm(ABC):
     needs: ClassVar[str] = ""
     #: Options renamed, old name -> new: the old name is read (with a note) for one release.
     renamed_options: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: Whether the workers can go on without a failed one (``on_failure="continue"``): the
+    #: method needs no step in which every worker takes part, and its runtime implements
+    #: :meth:`Runtime.change_membership`.
+    continues_after_failure: ClassVar[bool] = False
+    #: Whether a ``compression`` field of the configuration takes a compressor
+    #: (``--compressor``); a method that inherits the field but refuses it says False.
+    takes_compression: ClassVar[bool] = True
 
     def symmetric(self) -> bool:
         """Whether, on a cluster of equal workers and links, every worker makes the same calls
@@ -97,6 +104,9 @@ class Runtime:
     #: anyway (the all-reduce methods); under a GradScaler the others agree with a small
     #: all-reduce of their own (see gossamer.patterns.nonfinite).
     agrees_on_gradients: ClassVar[bool] = False
+    #: The configuration this runtime was bound from (set by the method's runtime; None where
+    #: a runtime does not keep it).
+    config: Any = None
 
     def __init__(self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.comm = comm
@@ -229,6 +239,16 @@ class Runtime:
         average_tensors(self.comm, model_tensors(self.model))
         self.synchronizations += 1
 
+    def change_membership(self, comm: Communicator, algorithm: Algorithm) -> None:
+        """Go on over ``comm``, the communicator of the new members after a failure or a
+        rejoin (``on_failure="continue"``), with ``algorithm.for_members(comm.world_size)``:
+        rebuild what depends on the ranks and start from the members' exact average.
+        Collective over ``comm``. A method that continues after a failure
+        (:attr:`Algorithm.continues_after_failure`) implements it; the others cannot."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot change its membership: its method does not go on "
+            "without a failed worker (on_failure='continue')")
+
     def rejoin(self, comm: Communicator, algorithm: Algorithm) -> None:
         """Go on over ``comm`` once restarted workers have joined the members
         (``on_failure="continue"``), with ``algorithm.for_members(comm.world_size)``.
@@ -244,7 +264,7 @@ class Runtime:
         that is not an exact average (DiLoCo's outer step) overrides this to leave that
         update out."""
         synchronizations = self.synchronizations
-        self.change_membership(comm, algorithm)  # type: ignore[attr-defined]
+        self.change_membership(comm, algorithm)
         self.synchronizations = synchronizations
 
     def state_dict(self) -> dict[str, Any]:
@@ -256,6 +276,14 @@ class Runtime:
         self.step = int(state["step"])
         self.synchronizations = int(state["synchronizations"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+@runtime_checkable
+class RuntimeHolder(Protocol):
+    """What holds a worker's runtime: the optimizer that :func:`gossamer.distribute` returns.
+    The metrics take it (or a communicator, or a model) and read the runtime from it."""
+
+    runtime: Runtime
 
 
 def _ranks(ranks: Sequence[int]) -> str:

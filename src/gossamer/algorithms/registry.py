@@ -83,8 +83,8 @@ def with_compression(algorithm: Algorithm,
                      f"the methods that do: {', '.join(takers)}")
 
 
-def _takes_compression(cls: type) -> bool:
-    if not getattr(cls, "takes_compression", True):  # a field it inherits but refuses
+def _takes_compression(cls: type[Algorithm]) -> bool:
+    if not cls.takes_compression:  # a field it inherits but refuses
         return False
     return dataclasses.is_dataclass(cls) and any(
         f.name == "compression" and f.init for f in dataclasses.fields(cls))

@@ -7,18 +7,33 @@ same code runs in both.
 
 Accounting is part of the protocol: every byte an algorithm sends is counted per peer, and the
 collectives are counted as the ring algorithm moves them (``2 (n - 1) / n`` of the tensor per
-worker for an all-reduce), the same way in both communicators.
+worker for an all-reduce), the same way in both communicators. :class:`CommunicatorBase` holds
+what gossamer's communicators share: the rank, the world size and that accounting.
+
+What only some communicators can do is a capability that a communicator declares by deriving
+from it, and that a caller checks once with ``isinstance``: :class:`AsyncCollectives`,
+:class:`IdleTime`, :class:`VirtualClock`, :class:`DeviceBound`, :class:`FaultInjection`,
+:class:`MembershipChange`, :class:`SharedState` and :class:`ProcessGroupBacked`. They are
+abstract base classes rather than structural protocols: a communicator says what it supports
+(a method that raises, such as the mirrored simulator's ``regroup``, is still declared), and
+the check neither evaluates a property nor costs more than a cached type test.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from gossamer.comm import cost
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -134,10 +149,10 @@ class Communicator(Protocol):
     Ranks are those of this communicator: ``0 .. world_size - 1`` (a subgroup renumbers its
     members in the order given to :meth:`group`). Tensors are reduced in place.
 
-    Fault injection (:mod:`gossamer.comm.faults`) uses two optional methods when a
-    communicator has them: ``fail(kind, reason)`` (``"crash"`` or ``"hang"`` this worker the
-    way this communicator's workers fail) and ``slow_down(factor)`` (a communicator with
-    virtual time makes this worker's compute take longer).
+    What only some communicators can do (start a collective without blocking, crash on
+    purpose, run in virtual time...) is not part of the protocol: a communicator declares it
+    by deriving from the capability (:class:`AsyncCollectives`, :class:`FaultInjection`,
+    :class:`VirtualClock` ...), and a caller checks it with ``isinstance``.
     """
 
     @property
@@ -245,13 +260,225 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-@contextmanager
-def counting_paused(comm: object) -> Iterator[None]:
-    """A context in which ``comm`` (a communicator with a ``_counting`` flag: Torch, Sim,
-    P2PGroup) counts none of the exchanges posted inside, its ``_uncounted`` (see
-    :func:`gossamer.comm.p2p_group.uncounted`)."""
-    saved, comm._counting = comm._counting, False  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        comm._counting = saved  # type: ignore[attr-defined]
+# --------------------------------------------------------------------------------------------
+# What gossamer's communicators share
+# --------------------------------------------------------------------------------------------
+
+
+class CommunicatorBase(ABC):
+    """What every communicator of gossamer holds: its rank, its world size and its accounting.
+
+    A subclass implements the operations of :class:`Communicator` and counts what they move
+    in :attr:`stats`. Two things let a subgroup that is built on this communicator's
+    point-to-point exchanges (:class:`~gossamer.comm.p2p_group.P2PGroup`) count its
+    collectives as this communicator counts its own: :meth:`uncounted` (the exchanges that
+    carry them are not counted) and :meth:`record_group_collective` (the collective is,
+    under its name, with the traffic that :mod:`gossamer.comm.cost` gives).
+
+    Args:
+        rank: this worker's rank in the communicator.
+        world_size: the number of workers of the communicator.
+        stats: where the traffic is counted (default: counters of its own).
+    """
+
+    def __init__(self, rank: int, world_size: int, stats: CommStats | None = None) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._stats = stats if stats is not None else CommStats()
+        self._counting = True  # whether exchanges count in the stats (see uncounted)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def stats(self) -> CommStats:
+        return self._stats
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """A context in which the exchanges posted here are not counted in :attr:`stats`: the
+        exchanges that carry a subgroup's collective, which :meth:`record_group_collective`
+        counts instead, and its control messages (the shape headers of its all-gather), which
+        a communicator's own all-gather does not count either (the stats count payloads, as
+        :mod:`gossamer.comm.cost` does)."""
+        saved, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = saved
+
+    def record_group_collective(self, op: str, sent: cost.Traffic,
+                                received: cost.Traffic) -> None:
+        """Count a collective ``op`` that a subgroup of this communicator ran, with the traffic
+        :mod:`gossamer.comm.cost` gives (in this communicator's ranks; ``received`` names the
+        senders), as this communicator counts its own: the same bytes, messages and operation
+        name on every backend. Nothing is counted inside :meth:`uncounted`."""
+        if self._counting:
+            self._count_collective(op, sent, received)
+
+    def _count_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """Count a collective ``op`` in :attr:`stats`: ``sent`` names the destinations,
+        ``received`` the senders."""
+        for peer, nbytes, messages in sent:
+            self._stats.record_send(peer, nbytes, messages)
+        for peer, nbytes, messages in received:
+            self._stats.record_receive(peer, nbytes, messages)
+        self._stats.operations[op] += 1
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor: ...
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+
+    @abstractmethod
+    def exchange(self, sends: Mapping[int, torch.Tensor], recv_from: Sequence[int],
+                 recv_like: torch.Tensor | None = None) -> Handle: ...
+
+    @abstractmethod
+    def group(self, ranks: Sequence[int]) -> Communicator: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def clock(self) -> float: ...
+
+    @abstractmethod
+    def compute_step(self) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Capabilities: what only some communicators can do, declared by deriving from it
+# --------------------------------------------------------------------------------------------
+
+
+class CollectiveHandle(Protocol):
+    """A collective in flight (:meth:`AsyncCollectives.all_reduce_async`)."""
+
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once; never blocks."""
+        ...
+
+    def wait(self) -> torch.Tensor:
+        """Complete the collective (within the communicator's timeout); the tensor."""
+        ...
+
+
+class AsyncCollectives(ABC):
+    """Collectives that start without blocking, between processes that run on while they
+    travel (:class:`~gossamer.comm.TorchCommunicator`): communication can then overlap
+    backward (:mod:`gossamer.patterns.overlap`). The simulator's workers take turns on one
+    scheduler, where nothing may run on another thread: they do not declare it."""
+
+    @abstractmethod
+    def all_reduce_async(self, tensor: torch.Tensor, op: ReduceOp = "sum"
+                         ) -> CollectiveHandle:
+        """Start reducing the contiguous ``tensor`` over all workers, in place; the handle's
+        ``wait()`` completes it. Collectives start in the same order on every worker."""
+
+
+class IdleTime(ABC):
+    """A communicator that measures how long its worker waited for communication."""
+
+    @property
+    @abstractmethod
+    def idle_time(self) -> float:
+        """Seconds spent blocked waiting for other workers or the network (virtual seconds in
+        the simulator, real ones on processes)."""
+
+
+class VirtualClock(ABC):
+    """A communicator in virtual time, whose worker's compute is a model
+    (:class:`~gossamer.comm.ComputeModel`): the simulator's workers."""
+
+    @abstractmethod
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` of virtual time."""
+
+    @abstractmethod
+    def slow_down(self, factor: float) -> None:
+        """From now on this worker's compute takes ``factor`` times as long."""
+
+    @abstractmethod
+    def simulation_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this worker beyond the training's own state (the compute
+        model's draws), so that a resumed run goes on as one never interrupted."""
+
+    @abstractmethod
+    def load_simulation_state(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`simulation_state`'s ``state``."""
+
+
+class DeviceBound(ABC):
+    """A communicator that carries tensors of one device only, where its own small tensors
+    (flags, tokens, headers) must live too (CUDA under NCCL)."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+
+class FaultInjection(ABC):
+    """A communicator whose workers fail on purpose the way its workers fail for real
+    (:mod:`gossamer.comm.faults`)."""
+
+    @abstractmethod
+    def fail(self, kind: str, reason: str) -> NoReturn:
+        """``"crash"`` or ``"hang"`` this worker, with ``reason`` in what the others see."""
+
+
+class MembershipChange(ABC):
+    """A communicator whose workers can go on without a failed one, or with a restarted one,
+    over a communicator of the new members (:mod:`gossamer.comm.membership`)."""
+
+    @abstractmethod
+    def peer_alive(self, rank: int) -> bool:
+        """Whether ``rank`` may still answer (False once it is known to be dead or gone)."""
+
+    @abstractmethod
+    def regroup(self, rank: int, members: Sequence[int], name: str) -> Communicator:
+        """A communicator over ``members`` (global ranks; this worker is the ``rank``-th),
+        the epoch ``name``; this one is left behind."""
+
+
+class SharedState(ABC):
+    """Workers in one process that share a key-value store (the simulator's): the members of
+    a membership agree through it, in virtual time."""
+
+    @property
+    @abstractmethod
+    def shared(self) -> dict[str, Any]:
+        """A dict every worker of the run sees."""
+
+
+class ProcessGroupBacked(ABC):
+    """A communicator over a torch.distributed process group."""
+
+    @property
+    @abstractmethod
+    def process_group(self) -> dist.ProcessGroup:
+        """The c10d process group (a ValueError once the communicator is closed)."""
+
+    @property
+    @abstractmethod
+    def backend(self) -> str:
+        """The group's backend, as torch names it (``"gloo"``, ``"nccl"``...)."""
+
+    @property
+    @abstractmethod
+    def store(self) -> dist.Store | None:
+        """The c10d store the group met through (None when not known)."""
+
+    @property
+    @abstractmethod
+    def timeout(self) -> float:
+        """Seconds a blocking operation waits for a peer before it fails."""

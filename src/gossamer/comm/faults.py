@@ -45,6 +45,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from gossamer.comm.base import FaultInjection, VirtualClock
+
 __all__ = ["CRASH_EXIT_CODE", "KINDS", "Fault", "FaultInjector", "InjectedFault", "check_faults",
            "crash_process", "hang_process", "parse_fault"]
 
@@ -159,11 +161,11 @@ def hang_process(reason: str) -> NoReturn:
 
 
 def fail(comm: Any, fault: Fault) -> NoReturn:
-    """Crash or hang this worker: through ``comm.fail`` where the communicator has one (the
-    simulator's workers, the torch communicator's heartbeat), else the process itself."""
-    handler = getattr(comm, "fail", None)
-    if handler is not None:
-        handler(fault.kind, fault.describe())
+    """Crash or hang this worker: through ``comm.fail`` where the communicator declares
+    :class:`~gossamer.comm.base.FaultInjection` (the simulator's workers, the torch
+    communicator's heartbeat), else the process itself."""
+    if isinstance(comm, FaultInjection):
+        comm.fail(fault.kind, fault.describe())
     if fault.kind == "crash":
         crash_process(fault.describe())
     hang_process(fault.describe())
@@ -195,9 +197,8 @@ class FaultInjector:
         """At the start of ``step`` (1-based): crash, hang, or start being slow."""
         for fault in self._due(step, ("slow",)):
             self.fired.append(fault)
-            slow_down = getattr(comm, "slow_down", None)  # a communicator with virtual time
-            if slow_down is not None:
-                slow_down(fault.factor)
+            if isinstance(comm, VirtualClock):  # its compute is a model: slow the model
+                comm.slow_down(fault.factor)
             else:
                 self.slowdown = fault.factor
         for fault in self._due(step, ("crash", "hang")):

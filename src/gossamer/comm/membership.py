@@ -49,7 +49,16 @@ from typing import Any
 
 import torch
 
-from gossamer.comm.base import CommError, CommTimeoutError, Communicator
+from gossamer.comm.base import (
+    DEFAULT_TIMEOUT,
+    CommError,
+    CommTimeoutError,
+    Communicator,
+    DeviceBound,
+    MembershipChange,
+    ProcessGroupBacked,
+    SharedState,
+)
 
 __all__ = ["POLL", "REJOIN_EVERY", "REJOIN_VARIABLE", "STORE_VARIABLE", "Membership",
            "announce_restart", "last_members", "membership_window"]
@@ -135,23 +144,29 @@ class Membership:
     """Who trains, epoch by epoch; :meth:`regroup` after a failure (see the module).
 
     Args:
-        comm: the communicator of the whole run at its start (a TorchCommunicator over a
-            store that outlives the workers, or a simulated worker's communicator).
+        comm: the communicator of the whole run at its start, one that declares
+            :class:`~gossamer.comm.base.MembershipChange` (a TorchCommunicator over a store
+            that outlives the workers, or a simulated worker's communicator).
         window: seconds the survivors wait for each other at most (default: from the
-            communicator's timeout, :func:`membership_window`).
+            communicator's timeout, :func:`membership_window`; the simulator's workers:
+            from the default timeout, in virtual seconds).
     """
 
     def __init__(self, comm: Communicator, *, window: float | None = None) -> None:
+        if not isinstance(comm, MembershipChange):
+            raise ValueError(f"comm: a membership needs a communicator that can change its "
+                             f"members (MembershipChange); {type(comm).__name__} cannot")
         self.comm = comm
         self.members: tuple[int, ...] = tuple(range(comm.world_size))  # ids, in rank order
         self.me = comm.rank
         self.epoch = 0
-        self.window = float(window if window is not None else membership_window(
-            float(getattr(comm, "timeout", 300.0))))
+        timeout = comm.timeout if isinstance(comm, ProcessGroupBacked) else DEFAULT_TIMEOUT
+        self.window = float(window if window is not None else membership_window(timeout))
         self.history: list[dict[str, Any]] = []
         self.size = comm.world_size  # the ids are 0 .. size - 1
         self.joined_at: int | None = None  # a rejoined worker: the step it joined after
-        self._kv = _SimStore(comm) if hasattr(comm, "shared") else _TorchStore(comm.store)
+        self._kv = (_SimStore(comm) if isinstance(comm, SharedState) else
+                    _TorchStore(comm.store if isinstance(comm, ProcessGroupBacked) else None))
 
     def regroup(self, error: CommError, step: int) -> int:
         """Agree with the survivors on the new members and the step to go on from; make
@@ -194,8 +209,8 @@ class Membership:
         A worker the launcher restarted that has not asked yet is waited for, at most
         :attr:`window` seconds; one that does not come in time is let in at a later look."""
         kv, size = self._kv, self.size
-        flags = torch.zeros(2 * size, dtype=torch.int32, device=getattr(self.comm, "device",
-                                                                        None))
+        device = self.comm.device if isinstance(self.comm, DeviceBound) else None
+        flags = torch.zeros(2 * size, dtype=torch.int32, device=device)
         for m in range(size):
             state = kv.get(f"rejoin/{m}") if m not in self.members else None
             if state in ("waiting", "restarting"):

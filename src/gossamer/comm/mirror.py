@@ -57,7 +57,7 @@ from gossamer.comm.base import (
 )
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.p2p_group import HEADER_BYTES
-from gossamer.comm.sim import SimComm, _SimHandle, _Slot, _Wait, _Worker
+from gossamer.comm.sim import SimComm, _ExchangeWait, _SimHandle, _Slot, _Wait, _Worker
 
 __all__ = ["Copies", "MirrorComm", "MirrorWorld", "NotSymmetric", "homogeneous"]
 
@@ -162,9 +162,9 @@ class MirrorWorld:
 
     def _maybe_complete(self, w: _Worker) -> None:
         wait = w.wait
-        assert wait is not None and wait.handle is not None  # type: ignore[attr-defined]
+        assert isinstance(wait, _ExchangeWait) and wait.handle is not None
         deadline = wait.started + self.timeout
-        completion = wait.handle._completion()  # type: ignore[attr-defined]
+        completion = wait.handle.completion()
         if completion > deadline:
             self._wake(w, deadline, CommTimeoutError(
                 f"{wait.op} on rank {w.rank} timed out after {self.timeout:g} s (virtual)",

@@ -4,8 +4,10 @@ Collectives over a subset of ranks need no new process group (creating one in c1
 collective over the whole world): :class:`P2PGroup` runs the ring, tree and dissemination
 algorithms of :mod:`gossamer.comm.cost` as sequences of ``parent.exchange`` calls, so it works
 over any :class:`~gossamer.comm.base.Communicator`, real or simulated, and moves exactly the
-bytes that cost.py counts. The parent counts a group's collective under its name, with cost.py's
-bytes and messages, as the simulator counts a subgroup's, not the exchanges that carry it.
+bytes that cost.py counts. A parent that keeps gossamer's accounting
+(:class:`~gossamer.comm.base.CommunicatorBase`) counts a group's collective under its name,
+with cost.py's bytes and messages, as the simulator counts a subgroup's, not the exchanges that
+carry it.
 """
 
 from __future__ import annotations
@@ -18,41 +20,18 @@ import torch
 from gossamer.comm import cost
 from gossamer.comm.base import (
     CommError,
-    CommStats,
     Communicator,
+    CommunicatorBase,
+    DeviceBound,
     Handle,
     ReduceOp,
     check_exchange,
     check_group_ranks,
     check_rank,
-    counting_paused,
     tensor_nbytes,
 )
 
-__all__ = ["P2PGroup", "record_group_collective", "uncounted"]
-
-
-def uncounted(comm: Communicator) -> AbstractContextManager:
-    """A context in which ``comm``'s exchanges (posted inside it) are not counted in its
-    stats, where it offers one (TorchCommunicator, SimComm, P2PGroup): the exchanges that
-    carry a subgroup's collective, which :func:`record_group_collective` counts instead, and
-    its control messages (the shape headers of its all-gather), which a communicator's own
-    all-gather does not count either (the stats count payloads, as cost.py does)."""
-    context = getattr(comm, "_uncounted", None)
-    return context() if context is not None else nullcontext()
-
-
-def record_group_collective(
-    comm: Communicator, op: str, sent: cost.Traffic, received: cost.Traffic
-) -> None:
-    """Count in ``comm``'s stats a collective ``op`` that a subgroup of it ran, with the
-    traffic cost.py gives (in ``comm``'s ranks; ``received`` names the senders), as ``comm``
-    counts its own: the same bytes, messages and operation name on every backend. A
-    communicator with no such counter keeps what it counted of the exchanges that carried
-    the collective."""
-    record = getattr(comm, "_record_group", None)
-    if record is not None:
-        record(op, sent, received)
+__all__ = ["P2PGroup"]
 
 # all_gather sends each rank's shape ahead of the payload in a fixed-size int64 header.
 _MAX_DIMS = 16
@@ -85,7 +64,7 @@ class _GroupExchange:
         return self._result
 
 
-class P2PGroup:
+class P2PGroup(CommunicatorBase, DeviceBound):
     """The members ``ranks`` of ``parent`` as a communicator of their own.
 
     Member ``ranks[i]`` of the parent is rank ``i`` here. Construct it on the members only
@@ -93,9 +72,11 @@ class P2PGroup:
     as cost.py counts the collectives; the parent's stats (and theirs up to the world's) also
     see the traffic, in their ranks: a collective under its name with cost.py's bytes and
     messages (barrier signals included, the all-gather's shape headers not), as the simulator
-    counts a subgroup's (:func:`record_group_collective`); an :meth:`exchange` as the parent's
-    own. Each step of a collective is bounded by the parent's timeout, and a parent's
-    CommError comes back naming the group operation.
+    counts a subgroup's (the parent's
+    :meth:`~gossamer.comm.base.CommunicatorBase.record_group_collective`); an :meth:`exchange`
+    as the parent's own. A parent without gossamer's accounting keeps what it counted of the
+    exchanges that carried a collective. Each step of a collective is bounded by the parent's
+    timeout, and a parent's CommError comes back naming the group operation.
     """
 
     def __init__(self, parent: Communicator, ranks: Sequence[int]) -> None:
@@ -108,22 +89,11 @@ class P2PGroup:
         self._parent = parent
         self._ranks = members
         self._index = {q: i for i, q in enumerate(members)}
-        self._rank = self._index[parent.rank]
-        self._stats = CommStats()
+        super().__init__(self._index[parent.rank], len(members))
+        # what the parent declares, checked once: its accounting and its device
+        self._accounting = parent if isinstance(parent, CommunicatorBase) else None
+        self._bound = parent if isinstance(parent, DeviceBound) else None
         self._seq = 0
-        self._counting = True
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self._ranks)
-
-    @property
-    def stats(self) -> CommStats:
-        return self._stats
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -136,9 +106,9 @@ class P2PGroup:
 
     @property
     def device(self) -> torch.device:
-        """Where the group's own small tensors (barrier tokens) live: the parent's device."""
-        device = getattr(self._parent, "device", None)
-        return device if isinstance(device, torch.device) else torch.device("cpu")
+        """Where the group's own small tensors (barrier tokens) live: the parent's device
+        (the CPU where the parent is bound to none)."""
+        return self._bound.device if self._bound is not None else torch.device("cpu")
 
     # -- collectives -------------------------------------------------------------------------
 
@@ -161,7 +131,7 @@ class P2PGroup:
                 return flat[starts[i]: starts[i] + sizes[i]]
 
             nxt, prv = (r + 1) % n, (r - 1) % n
-            with self._errors(label), uncounted(self._parent):  # counted by _record
+            with self._errors(label), self._parent_uncounted():  # counted below, by name
                 # Reduce-scatter: after step s, chunk r - s - 1 holds s + 2 contributions.
                 for s in range(n - 1):
                     send, recv = (r - s) % n, (r - s - 1) % n
@@ -177,7 +147,7 @@ class P2PGroup:
         if op == "mean":
             divide_(tensor, n)
         numel, size = tensor.numel(), tensor.element_size()
-        self._record(
+        self._count_collective(
             "all_reduce",
             cost.ring_all_reduce_traffic(r, n, numel, size),
             [((r - 1) % n, b, m) for _, b, m in
@@ -192,8 +162,8 @@ class P2PGroup:
         """
         label = self._begin("all_gather")
         n, r = self.world_size, self._rank
-        # Counted by _record: the payloads only, as TorchCommunicator.all_gather counts them.
-        with self._errors(label), uncounted(self._parent):
+        # Counted below: the payloads only, as TorchCommunicator.all_gather counts them.
+        with self._errors(label), self._parent_uncounted():
             header = shape_header(tensor).to(tensor.device)
             headers = self._ring_gather(header, lambda i: header)
             shapes = check_headers(headers)
@@ -205,7 +175,7 @@ class P2PGroup:
             )
         out = [b.reshape(s) for b, s in zip(blocks, shapes, strict=True)]
         nbytes = [k * tensor.element_size() for k in numels]
-        self._record(
+        self._count_collective(
             "all_gather",
             cost.ring_all_gather_traffic(r, n, nbytes),
             [((r - 1) % n, b, m) for _, b, m in
@@ -219,7 +189,7 @@ class P2PGroup:
         check_rank(src, n, "src")
         label = self._begin("broadcast")
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        with self._errors(label), uncounted(self._parent):  # counted by _record
+        with self._errors(label), self._parent_uncounted():  # counted below, by name
             for edges in cost._tree_edges(n, src):
                 sends = {dst: buf for s, dst in edges if s == r}
                 recv_from = [s for s, dst in edges if dst == r]
@@ -230,7 +200,7 @@ class P2PGroup:
         if buf is not tensor:
             tensor.copy_(buf)
         nbytes = tensor_nbytes(tensor)
-        self._record(
+        self._count_collective(
             "broadcast",
             cost.broadcast_traffic(r, n, src, nbytes),
             [(s, nbytes, 1) for s in cost.broadcast_sources(r, n, src)],
@@ -242,10 +212,10 @@ class P2PGroup:
         label = self._begin("barrier")
         n, r = self.world_size, self._rank
         token = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        with self._errors(label), uncounted(self._parent):  # counted by _record: 0 bytes
+        with self._errors(label), self._parent_uncounted():  # counted below: 0 bytes
             for k in range(cost.barrier_rounds(n)):
                 self._exchange({(r + (1 << k)) % n: token}, [(r - (1 << k)) % n], token)
-        self._record(
+        self._count_collective(
             "barrier",
             cost.barrier_traffic(r, n),
             [((r - (1 << k)) % n, 0, 1) for k in range(cost.barrier_rounds(n))],
@@ -272,16 +242,11 @@ class P2PGroup:
             self._stats.operations["exchange"] += 1
         return _GroupExchange(self, handle, label, counted=self._counting)
 
-    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
-        """See :func:`record_group_collective`: a nested group's collective, in this group's
-        ranks, here and in the parents; nothing inside :meth:`_uncounted`."""
-        if self._counting:
-            self._record(op, sent, received)
-
     @contextmanager
-    def _uncounted(self) -> Iterator[None]:
-        """See :func:`uncounted`: not here, nor in the parent."""
-        with counting_paused(self), uncounted(self._parent):
+    def uncounted(self) -> Iterator[None]:
+        """Exchanges posted inside are counted neither here nor in the parent (see
+        :meth:`~gossamer.comm.base.CommunicatorBase.uncounted`)."""
+        with super().uncounted(), self._parent_uncounted():
             yield
 
     def group(self, ranks: Sequence[int]) -> Communicator:
@@ -337,19 +302,20 @@ class P2PGroup:
                        f"parent's): {exc}")
             raise type(exc)(message, op=label, peers=peers) from exc
 
-    def _record(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+    def _count_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
         """Count a collective (``received`` naming the senders) here and, in its ranks, in
-        the parent."""
-        for peer, nbytes, messages in sent:
-            self._stats.record_send(peer, nbytes, messages)
-        for peer, nbytes, messages in received:
-            self._stats.record_receive(peer, nbytes, messages)
-        self._stats.operations[op] += 1
-        ranks = self._ranks
-        record_group_collective(
-            self._parent, op, [(ranks[p], b, m) for p, b, m in sent],
-            [(ranks[p], b, m) for p, b, m in received],
-        )
+        the parent (a nested group's too: :meth:`record_group_collective`)."""
+        super()._count_collective(op, sent, received)
+        if self._accounting is not None:
+            ranks = self._ranks
+            self._accounting.record_group_collective(
+                op, [(ranks[p], b, m) for p, b, m in sent],
+                [(ranks[p], b, m) for p, b, m in received],
+            )
+
+    def _parent_uncounted(self) -> AbstractContextManager:
+        """The parent's :meth:`uncounted` (nothing where it keeps no such accounting)."""
+        return self._accounting.uncounted() if self._accounting is not None else nullcontext()
 
 
 # Shared with TorchCommunicator.

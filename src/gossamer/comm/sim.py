@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import _thread
-import contextlib
 import functools
 import heapq
 import math
@@ -43,7 +42,7 @@ import signal
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -57,11 +56,16 @@ from gossamer.comm.base import (
     CommError,
     CommStats,
     CommTimeoutError,
+    CommunicatorBase,
+    FaultInjection,
+    IdleTime,
+    MembershipChange,
     ReduceOp,
+    SharedState,
+    VirtualClock,
     check_exchange,
     check_group_ranks,
     check_rank,
-    counting_paused,
     tensor_nbytes,
     without_grad,
 )
@@ -652,7 +656,7 @@ class SimWorld:
             wait.peers = missing
             return
         deadline = wait.started + self.timeout
-        completion = wait.handle._completion()
+        completion = wait.handle.completion()
         if completion > deadline:  # a message arrives, in virtual time, too late
             self._fire_timeout(w, deadline)
         else:
@@ -686,10 +690,11 @@ class _SimHandle:
         self._sends_done = sends_done
         self._like = like
         self._name = name
-        self._counted = counted  # whether the receives count in the stats (see _uncounted)
+        self._counted = counted  # whether the receives count in the stats (see uncounted)
         self._result: dict[int, torch.Tensor] | None = None
 
-    def _completion(self) -> float:
+    def completion(self) -> float:
+        """The virtual time at which every send left and every receive arrived."""
         return max([self._sends_done] + [s.arrival for s in self._slots])
 
     def ready(self) -> bool:
@@ -698,7 +703,7 @@ class _SimHandle:
             return True
         world, w = self._view._world, self._view._worker
         world._sync(w)
-        return all(s.tensor is not None for s in self._slots) and self._completion() <= w.clock
+        return all(s.tensor is not None for s in self._slots) and self.completion() <= w.clock
 
     def wait(self) -> dict[int, torch.Tensor]:
         view = self._view
@@ -736,7 +741,8 @@ class _SimHandle:
 _Plan = list[tuple[dict[int, int], dict[int, int], int, int, int]]
 
 
-class SimComm:
+class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, MembershipChange,
+              SharedState):
     """One simulated worker's communicator (over the whole world or a subgroup of it)."""
 
     def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...],
@@ -752,10 +758,9 @@ class SimComm:
         key = members if epoch is None else (members, epoch)
         self._group = world._groups.setdefault(key, len(world._groups))
         self._index = {g: i for i, g in enumerate(members)}
-        self._rank = self._index[worker.rank]
-        self._stats = worker.stats if len(members) == world.world_size and members == tuple(
-            range(world.world_size)
-        ) else CommStats()
+        super().__init__(self._index[worker.rank], len(members),
+                         worker.stats if len(members) == world.world_size
+                         and members == tuple(range(world.world_size)) else CommStats())
         # Where traffic is counted: here (in this view's ranks), in every enclosing group (in
         # its ranks: a subgroup's traffic is its parent's too, as a P2PGroup's goes through
         # its parent) and in the worker's stats (global ranks), each stats object once.
@@ -767,25 +772,12 @@ class SimComm:
         for stats, index in sinks:
             if all(stats is not seen for seen, _ in self._sinks):
                 self._sinks.append((stats, index))
-        self._counting = True  # whether exchanges count in the stats (see _uncounted)
         self._exchanges = 0
         #: (numel, element size) -> the ring all-reduce's traffic of this rank, as a _plan
         self._ring_traffic: dict[tuple[int, int], _Plan] = {}
         self._barrier_traffic: _Plan | None = None  # the same at every barrier: see barrier()
         #: the counters of operations of this view and the enclosing ones (see _count)
         self._operations = [stats.operations for stats, _ in self._sinks]
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return len(self._members)
-
-    @property
-    def stats(self) -> CommStats:
-        return self._stats
 
     @property
     def global_rank(self) -> int:
@@ -835,21 +827,14 @@ class SimComm:
         for operations in self._operations:
             operations[op] += 1
 
-    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
-        """Count a collective of a :class:`~gossamer.comm.p2p_group.P2PGroup` over this
-        communicator (traffic in this view's ranks, ``received`` naming the senders) as this
-        communicator's own collective ``op`` is counted; nothing inside :meth:`_uncounted`."""
-        if self._counting:
-            self._record_traffic(sent, received)
-            self._count(op)
-
-    @contextlib.contextmanager
-    def _uncounted(self) -> Iterator[None]:
-        """Exchanges posted inside are not counted (see
-        :func:`gossamer.comm.p2p_group.uncounted`): a P2PGroup over this communicator counts
-        its collectives by name, as :meth:`group`'s do, not the exchanges that carry them."""
-        with counting_paused(self):
-            yield
+    def _count_collective(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
+        """Count a collective ``op`` (traffic in this view's ranks, ``received`` naming the
+        senders) here, in the enclosing groups and in the world stats: what
+        :meth:`record_group_collective` counts of a
+        :class:`~gossamer.comm.p2p_group.P2PGroup` over this communicator, as :meth:`group`'s
+        collectives are counted."""
+        self._record_traffic(sent, received)
+        self._count(op)
 
     # ---- the traffic of each collective, counted alike by SimComm and MirrorComm
     def _all_reduce_traffic(self, tensor: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, DeviceBound
 from gossamer.comm.buckets import apply_flat
 
 __all__ = ["broadcast_object", "decode", "encode"]
@@ -25,7 +25,7 @@ def broadcast_object(comm: Communicator, src: int, obj: Any) -> Any:
     """Collective over ``comm``: ``src``'s ``obj`` (only tensors, numbers, strings and
     containers of them; ignored elsewhere) on every worker, its tensors received into tensors
     of their own (on the communicator's device). ``src`` gets back its own ``obj``."""
-    device = getattr(comm, "device", None)  # NCCL broadcasts CUDA tensors only
+    device = comm.device if isinstance(comm, DeviceBound) else None  # NCCL: CUDA tensors only
     sending = comm.rank == src
     tensors: list[torch.Tensor] = []
     text = json.dumps(encode(obj, tensors)).encode() if sending else b""

@@ -13,7 +13,6 @@ ones that stopped.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import gc
 import ipaddress
@@ -26,7 +25,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -36,14 +35,19 @@ import torch.distributed as dist
 
 from gossamer.comm import cost, faults
 from gossamer.comm.base import (
+    AsyncCollectives,
     CommError,
-    CommStats,
     CommTimeoutError,
     Communicator,
+    CommunicatorBase,
+    DeviceBound,
+    FaultInjection,
+    IdleTime,
+    MembershipChange,
+    ProcessGroupBacked,
     ReduceOp,
     check_exchange,
     check_rank,
-    counting_paused,
     default_timeout,
     tensor_nbytes,
 )
@@ -363,7 +367,8 @@ class _Collective:
         return self._tensor
 
 
-class TorchCommunicator:
+class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBound,
+                        FaultInjection, MembershipChange, ProcessGroupBacked):
     """A :class:`~gossamer.comm.base.Communicator` over a c10d process group.
 
     Args:
@@ -406,16 +411,15 @@ class TorchCommunicator:
                 timeout, (int, float)) or not timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._group = group if group is not None else dist.group.WORLD
-        self._rank = dist.get_rank(self._group)
-        if self._rank < 0:
+        rank = dist.get_rank(self._group)
+        if rank < 0:
             raise ValueError("this process is not a member of the given group")
-        self._world_size = dist.get_world_size(self._group)
+        super().__init__(rank, dist.get_world_size(self._group))
         self._global_ranks = list(dist.get_process_group_ranks(self._group))
         self._backend = str(dist.get_backend(self._group))
         # the sentinels of receive buffers (see _Exchange); never the global RNG
         self._sentinel_rng = torch.Generator().manual_seed(0x5E17 + self._rank)
         self._timeout = float(timeout if timeout is not None else default_timeout(self._backend))
-        self._stats = CommStats()
         self._t0 = time.perf_counter()
         self._idle = 0.0  # seconds blocked in _wait
         self._seq = 0  # collectives started: every member runs the same sequence
@@ -423,7 +427,6 @@ class TorchCommunicator:
         self._label = "no operation yet"
         self._store = store  # kept alive with the communicator
         self._owns_group = False
-        self._counting = True  # whether exchanges count in the stats (see _uncounted)
         self._store_host: int | None = None  # global rank hosting the store, when known
         self._failed: CommError | None = None  # the failure this communicator raised, if any
         if store_addr is None and isinstance(store, dist.TCPStore):
@@ -513,18 +516,6 @@ class TorchCommunicator:
         return comm
 
     # -- properties ------------------------------------------------------------------------
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def stats(self) -> CommStats:
-        return self._stats
 
     @property
     def timeout(self) -> float:
@@ -739,20 +730,6 @@ class TorchCommunicator:
             self._stats.operations["exchange"] += 1
         return _Exchange(self, label, peers, [w for w in works if w is not None], kept, recvs,
                          sentinels, counted=self._counting)
-
-    @contextlib.contextmanager
-    def _uncounted(self) -> Iterator[None]:
-        """Exchanges posted inside are not counted in :attr:`stats` (see
-        :func:`gossamer.comm.p2p_group.uncounted`)."""
-        with counting_paused(self):
-            yield
-
-    def _record_group(self, op: str, sent: cost.Traffic, received: cost.Traffic) -> None:
-        """Count a subgroup's collective ``op`` as this communicator's own (see
-        :func:`gossamer.comm.p2p_group.record_group_collective`); nothing inside
-        :meth:`_uncounted`."""
-        if self._counting:
-            self._record_collective(op, sent, received, mirror=False)
 
     def group(self, ranks: Sequence[int]) -> Communicator:
         """A subgroup of ``ranks`` (in this communicator's ranks), over :meth:`exchange`: its
@@ -988,16 +965,10 @@ class TorchCommunicator:
                            mirror: bool = True) -> None:
         """Count a collective as cost.py moves it. ``received`` is the sender's own traffic
         (``mirror``: entries name the destination, and the sender is our predecessor)."""
-        for peer, nbytes, messages in sent:
-            self._stats.record_send(peer, nbytes, messages)
         if mirror:
             pred = (self._rank - 1) % self._world_size
-            for _dst, nbytes, messages in received:
-                self._stats.record_receive(pred, nbytes, messages)
-        else:
-            for src, nbytes, messages in received:
-                self._stats.record_receive(src, nbytes, messages)
-        self._stats.operations[op] += 1
+            received = [(pred, nbytes, messages) for _dst, nbytes, messages in received]
+        self._count_collective(op, sent, received)
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,15 +3,15 @@
 The trainable parameters go into buckets in reverse registration order (backward produces the
 last layers' gradients first, so the first buckets fill first), the first of them at most 1 MiB
 as DDP's (only to overlap: without it a small first bucket would be one collective more, one
-more latency, for nothing). On a communicator of real processes (one with ``all_reduce_async``:
-the :class:`~gossamer.comm.TorchCommunicator`), a hook on each parameter's gradient
-accumulation notes that its gradient is ready; as soon as every gradient of a bucket is, and
-every bucket before it has started, the bucket's communication starts, while backward goes on
-computing the gradients of the layers below. Buckets start in the same order on every worker,
-whatever the order the gradients arrive in, so every worker's collectives match. When backward
-ends (an autograd engine callback) the buckets not started yet start (a parameter without a
-gradient counts as zeros), everything is waited for, and the results are written into the
-gradients.
+more latency, for nothing). On a communicator of real processes (one that declares
+:class:`~gossamer.comm.base.AsyncCollectives`: the :class:`~gossamer.comm.TorchCommunicator`),
+a hook on each parameter's gradient accumulation notes that its gradient is ready; as soon as
+every gradient of a bucket is, and every bucket before it has started, the bucket's
+communication starts, while backward goes on computing the gradients of the layers below.
+Buckets start in the same order on every worker, whatever the order the gradients arrive in,
+so every worker's collectives match. When backward ends (an autograd engine callback) the
+buckets not started yet start (a parameter without a gradient counts as zeros), everything is
+waited for, and the results are written into the gradients.
 :class:`BackwardSchedule` is that bookkeeping; what a bucket's communication is belongs to
 its subclasses:
 
@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from gossamer.comm.base import Communicator, without_grad
+from gossamer.comm.base import AsyncCollectives, Communicator, without_grad
 from gossamer.comm.buckets import Buckets, layout
 from gossamer.compress.reducer import CompressedReducer
 from gossamer.patterns.nonfinite import (
@@ -76,10 +76,11 @@ def first_bucket_bytes(bucket_bytes: int, overlap: bool) -> int | None:
 
 
 def overlaps(comm: Communicator) -> bool:
-    """Whether ``comm`` talks between processes that run on while it waits (it starts
-    collectives asynchronously), so that communication can overlap backward. The simulator's
-    workers take turns on its scheduler: there, nothing may run on another thread."""
-    return callable(getattr(comm, "all_reduce_async", None))
+    """Whether ``comm`` talks between processes that run on while it waits (it declares
+    :class:`~gossamer.comm.base.AsyncCollectives`), so that communication can overlap
+    backward. The simulator's workers take turns on its scheduler: there, nothing may run on
+    another thread."""
+    return isinstance(comm, AsyncCollectives)
 
 
 class CommThread:
@@ -231,6 +232,8 @@ class GradientBuckets(BackwardSchedule):
     def __init__(self, comm: Communicator, named: NamedParameters,
                  flags: torch.Tensor, bucket_bytes: int, overlap: bool = True) -> None:
         self.comm = comm
+        #: the communicator that starts the all-reduces during backward (None: it cannot)
+        self._async = comm if isinstance(comm, AsyncCollectives) else None
         ordered = list(reversed(named))  # bucket order
         self.buckets = Buckets([p for _, p in ordered] + [flags], bucket_bytes=bucket_bytes,
                                first_bytes=first_bucket_bytes(bucket_bytes, overlap))
@@ -288,8 +291,8 @@ class GradientBuckets(BackwardSchedule):
     def _start(self, bucket: int) -> None:
         """Pack bucket ``bucket`` and start its all-reduce."""
         buffer = self._pack(bucket)
-        self._handles.append(self.comm.all_reduce_async(  # type: ignore[attr-defined]
-            buffer, op="mean"))
+        assert self._async is not None  # started during backward only where it overlaps
+        self._handles.append(self._async.all_reduce_async(buffer, op="mean"))
 
     def _complete(self) -> None:
         """Wait for every bucket, write the averages."""

@@ -381,10 +381,11 @@ def _parse_straggler(spec: str, world_size: int) -> tuple[int, float]:
 
 def continues_after_failure(algorithm: Algorithm | type[Algorithm]) -> bool:
     """Whether a method's workers can go on without a failed one (``on_failure="continue"``):
-    it needs no step in which every worker takes part, and its runtime has
+    it needs no step in which every worker takes part, and its runtime implements
     ``change_membership(comm, algorithm)`` (its class says so with
-    ``continues_after_failure = True``)."""
-    return bool(getattr(algorithm, "continues_after_failure", False))
+    ``continues_after_failure = True``; :class:`~gossamer.algorithms.Algorithm`'s default is
+    False)."""
+    return algorithm.continues_after_failure
 
 
 def _check_continues(algorithm: Algorithm) -> None:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, ProcessGroupBacked
 from gossamer.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -66,11 +66,10 @@ def _dcp() -> Any:
 
 
 def _process_group(comm: Communicator) -> dist.ProcessGroup:
-    group = getattr(comm, "process_group", None)
-    if group is None or not dist.is_initialized():
+    if not isinstance(comm, ProcessGroupBacked) or not dist.is_initialized():
         raise ValueError(f"comm: DCP checkpoints need workers on torch.distributed (torchrun, "
                          f"SLURM, mpirun); {type(comm).__name__} has no process group")
-    return group
+    return comm.process_group
 
 
 # -- a worker's state as named tensors and a structure ------------------------------------

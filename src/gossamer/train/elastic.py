@@ -37,8 +37,11 @@ def share_state(comm: Communicator, src: int, model: nn.Module,
     ``counters``: numbers that go with the state (the training loop's bytes, messages and
     seconds so far, and the examples trained on): ``src``'s reach every worker, and a
     ``joining`` worker's dict is updated with them, so that it goes on counting from where
-    a member is (its clock from the run's, not from its restart)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # the wrapped torch optimizer
+    a member is (its clock from the run's, not from its restart).
+
+    The optimizer state that goes is the torch optimizer's that ``runtime`` was bound with:
+    the one ``optimizer`` wraps where it is what ``distribute()`` returned."""
+    inner = runtime.optimizer  # the wrapped torch optimizer
     state = None
     if comm.rank == src:
         state = {"step": step, "model": model.state_dict(), "optimizer": inner.state_dict(),

@@ -23,7 +23,7 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm
 from gossamer.api import distribute
-from gossamer.comm.base import CommError, Communicator
+from gossamer.comm.base import CommError, Communicator, DeviceBound, VirtualClock
 from gossamer.comm.faults import FaultInjector
 from gossamer.comm.membership import REJOIN_EVERY, Membership
 from gossamer.metrics import consensus_distance
@@ -89,7 +89,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
         check_agreement(comm, describe_run(config, comm.world_size, dataset))
     setup = {key: value - before[key] for key, value in _raw_counts(comm).items()}
     torch.manual_seed(config.seed)  # the same initial model on every worker
-    device = getattr(comm, "device", torch.device("cpu"))  # CUDA under NCCL
+    device = comm.device if isinstance(comm, DeviceBound) else torch.device("cpu")  # NCCL: CUDA
     model = build_model(resolve_model(config), dataset.input_shape, dataset.num_classes)
     model.to(device)
     shards = partition(dataset.y_train.numpy(), size, scheme=config.partition,
@@ -133,7 +133,7 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
             optimizer.load_state_dict({**state["optimizer"], "algorithm": shard["algorithm"]})
         sampler.load_state_dict(shard["sampler"])
         torch.set_rng_state(shard["rng"])
-        if "simulation" in shard and hasattr(comm, "load_simulation_state"):
+        if "simulation" in shard and isinstance(comm, VirtualClock):
             comm.load_simulation_state(shard["simulation"])  # the compute model's draws
         # (a checkpoint from before the examples were counted: the steps at this world size)
         offsets = {"examples": start * examples_per_step, **shard["offsets"]}
@@ -381,8 +381,9 @@ def _simulation_state(comm: Communicator) -> dict[str, Any]:
     """A simulated worker's own state for a checkpoint (its compute model's random draws,
     ``--jitter``), so that a resumed simulation goes on as the uninterrupted one; nothing on
     real processes."""
-    state = getattr(comm, "simulation_state", None)
-    return {"simulation": _to_safe(state())} if state is not None else {}
+    if not isinstance(comm, VirtualClock):
+        return {}
+    return {"simulation": _to_safe(comm.simulation_state())}
 
 
 def _raw_counts(comm: Communicator) -> dict[str, float]:
