@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, ProcessGroupBacked
 from gossamer.comm.buckets import apply_flat
 from gossamer.patterns.nonfinite import agree, all_finite
 from gossamer.torch_internals import (
@@ -374,7 +374,6 @@ def distribute(
 
         # a model on the CPU goes over gloo, also where CUDA would make NCCL the default
         comm = TorchCommunicator.from_env(backend="gloo" if devices == {"cpu"} else None)
-    from gossamer.comm.base import ProcessGroupBacked
 
     if isinstance(comm, ProcessGroupBacked) and comm.backend == "nccl" and devices - {"cuda"}:
         raise ValueError(
