@@ -19,8 +19,8 @@ interpreter options run in a fresh interpreter. Example::
 from __future__ import annotations
 
 import atexit
+import json
 import os
-import pickle
 import select
 import signal
 import struct
@@ -110,7 +110,7 @@ atexit.register(_close_server)
 
 
 def _send(fd: int, obj: Any) -> None:
-    data = pickle.dumps(obj)
+    data = json.dumps(obj).encode()
     data = struct.pack("!I", len(data)) + data
     while data:
         data = data[os.write(fd, data):]
@@ -134,7 +134,7 @@ def _receive(fd: int, timeout: float | None) -> Any:
     if header is None:
         return None
     data = _read_exactly(fd, struct.unpack("!I", header)[0])
-    return None if data is None else pickle.loads(data)
+    return None if data is None else json.loads(data)
 
 
 # ---- the warm process
