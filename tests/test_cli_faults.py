@@ -28,6 +28,7 @@ def _error(capsys, argv, code=2) -> str:
 # ------------------------------------------------------------- 1: resuming a finished run
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_says_so_and_keeps_its_summary(tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     assert main([*RUN, "--run-dir", run_dir]) == 0
@@ -45,6 +46,7 @@ def test_resuming_a_finished_run_says_so_and_keeps_its_summary(tmp_path, capsys)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_summary_lost_after_the_last_checkpoint_is_rebuilt_not_emptied(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*RUN, "--run-dir", str(run_dir)]) == 0
@@ -63,6 +65,7 @@ def _as_real_run(run_dir) -> None:
     path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "sim": 0}))
 
 
+@pytest.mark.slow
 def test_an_elastic_restart_of_a_finished_run_keeps_its_summary(tmp_path, monkeypatch):
     settings = dict(steps=4, eval_every=2, batch_size=8, quiet=True)
     for every in (2, 0):  # with checkpoints, and without (the restart would start over)
@@ -176,6 +179,7 @@ def test_resuming_without_config_yaml_is_refused_whatever_the_settings(tmp_path,
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_finished_run_whose_last_checkpoint_is_damaged_resumes_as_before(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*RUN, "--run-dir", str(run_dir)]) == 0

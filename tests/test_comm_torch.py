@@ -293,6 +293,7 @@ comm.all_reduce(torch.ones(3))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_communicator_never_closed_closes_at_exit(tmp_path) -> None:
     """A program that never calls close() (as most examples) must not leave gloo's threads to
@@ -321,6 +322,7 @@ comm.all_reduce(torch.ones(3))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_group_the_program_made_and_left_is_destroyed_at_exit(tmp_path) -> None:
     """A group made by the program (or a framework) that wraps it and never destroys it is
@@ -403,6 +405,7 @@ def _what_a_call_sees() -> tuple[int, str | None, str, int, bool]:
             total, dist.is_initialized())
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_spawn_reuses_its_processes_with_each_call_fresh(monkeypatch) -> None:
     """A call runs in the pool's resident processes, with a process group of its own, the

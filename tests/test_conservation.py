@@ -162,8 +162,13 @@ CASES = [
 
 
 # the slow tier holds the cases that take over 10 s each (WAGMA with stragglers it waits for)
+# the slow tier: the stale methods, and the variants of a compressor whose plain case stays
+# in the fast tier (each over 1 s on 2 cores)
+VARIANTS = {"qsgd-error-feedback", "dgc-fp32-sparse-allreduce", "topk-sparse-allreduce",
+            "dgc-fp32-values", "demo-small-chunks"}
 PARAMS = [pytest.param(case, id=case.id,
-                       marks=[pytest.mark.slow] if case.kind == STALE else [])
+                       marks=[pytest.mark.slow] if case.kind == STALE or case.id in VARIANTS
+                       else [])
           for case in CASES]
 
 

@@ -162,6 +162,7 @@ def test_simulated_survivors_go_on_and_stay_within_a_point_of_a_fault_free_run()
         32 * 4 * STEPS, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
     run_dir = tmp_path / "run"
     result = _sim("localsgd", ("0:5:crash",), str(run_dir))

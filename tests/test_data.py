@@ -53,6 +53,7 @@ def write_idx(path: Path, array: np.ndarray) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_digits_are_scikit_learns_read_without_importing_it():
     # the bundled CSV read directly (a worker would pay a second to import scikit-learn):
     # the same pixels and labels as scikit-learn's own loader, and scikit-learn not imported

@@ -146,6 +146,7 @@ def test_dcp_load_by_another_number_of_workers_is_refused_naming_both(tmp_path):
     assert all("written by 2 workers; this run has 3" in e for e in errors)
 
 
+@pytest.mark.slow
 def test_a_run_without_dcp_checkpoints_does_not_import_torch_distributed_checkpoint():
     # it costs every worker half a second to import: only a DCP checkpoint's save or load does
     import subprocess

@@ -155,6 +155,7 @@ def test_a_missing_speed_up_is_a_gap_not_an_error(tmp_path):
 # ----------------------------------------------------------------------------- bench report
 
 
+@pytest.mark.slow
 def test_bench_report_writes_each_figure_beside_its_table(tmp_path, capsys):
     """Tiny settings: the planner on the digits MLP at 4 workers, one method trained for 10
     steps on 2 simulated workers; then the gossip figure redrawn from that run directory."""

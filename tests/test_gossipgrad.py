@@ -404,6 +404,7 @@ def test_bad_input_from_the_command_line(capsys):
 # ---------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_train_reaches_85_percent_on_digits():
     result = run_training(TrainConfig(sim=4, algorithm="gossipgrad", quiet=True))
     assert result["eval_accuracy"] >= 0.85

@@ -215,6 +215,7 @@ def test_strategy_checks_its_arguments():
     assert isinstance(GossamerStrategy("sgp").algorithm, gossamer.SGP)
 
 
+@pytest.mark.slow
 def test_importing_gossamer_does_not_import_lightning():
     code = ("import sys, gossamer, gossamer.integrations; "
             "assert 'lightning' not in sys.modules, 'lightning imported'")
@@ -222,6 +223,7 @@ def test_importing_gossamer_does_not_import_lightning():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_lightning_names_the_extra():
     code = ("import sys; sys.modules['lightning'] = None\n"
             "try:\n    import gossamer.integrations.lightning\n"

@@ -186,6 +186,7 @@ def _sleeping_steps(sleep: float) -> dict:
         comm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_the_steps_can_sleep_in_place_of_the_forward_and_backward():
     _benchmarks_importable()
@@ -249,6 +250,7 @@ def test_plan_reuse_needs_a_saved_measurement_of_the_same_frames(tmp_path):
         bench_cli.run(build_parser().parse_args(argv))
 
 
+@pytest.mark.slow
 def test_a_variant_is_measured_by_its_label_with_each_steps_time_and_the_runtimes_counts():
     _benchmarks_importable()
     from benchmarks.netbench_tasks import method_spec, training_steps

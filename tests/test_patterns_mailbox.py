@@ -127,6 +127,7 @@ def _mailbox_life_on_gloo() -> dict:
         return _mailbox_life(comm)
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_stamped_mailbox_on_gloo_counts_what_the_simulator_counts():
     """Backend parity: the same life on 3 gloo processes keeps the same messages, sends the

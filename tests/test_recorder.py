@@ -53,6 +53,7 @@ def records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_recorded_loop_reads_back_with_workers_syncs_and_consensus(tmp_path, capsys):
     run_dir = tmp_path / "dpsgd"
     world = SimWorld(WORKERS, compute=ComputeModel(step_time=0.01))

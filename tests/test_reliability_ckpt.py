@@ -151,6 +151,7 @@ def test_resuming_earlier_removes_the_abandoned_later_checkpoints(tmp_path):
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000020"]
 
 
+@pytest.mark.slow
 def test_a_fresh_run_in_a_used_run_dir_never_resumes_the_earlier_one(tmp_path):
     run_training(TrainConfig(sim=2, steps=10, eval_every=0, checkpoint_every=5, quiet=True,
                              run_dir=str(tmp_path)))

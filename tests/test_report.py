@@ -131,6 +131,7 @@ def test_missing_directory_or_metrics_raises_naming_the_path(tmp_path):
 # ----------------------------------------------------------------------------- plots
 
 
+@pytest.mark.slow
 def test_plot_runs_writes_six_drawn_pngs(tmp_path):
     runs = [load_metrics(write_run(tmp_path / "a", "allreduce")),
             load_metrics(write_run(tmp_path / "b", "powersgd", bytes_per_step=3e3))]
@@ -184,6 +185,7 @@ def test_repeated_algorithms_are_named_by_directory(tmp_path):
     assert "lr0.1" in table and "lr0.01" in table
 
 
+@pytest.mark.slow
 def test_write_report_embeds_the_plots_and_names_the_task(tmp_path):
     runs = [load_metrics(write_run(tmp_path / "a", "allreduce")),
             load_metrics(write_run(tmp_path / "b", "gossip"))]
@@ -213,6 +215,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@pytest.mark.slow
 def test_run_plot_defaults_to_the_run_dirs_plots_folder(tmp_path, capsys):
     run_dir = write_run(tmp_path / "run")
     assert run_plot(parse([str(run_dir)])) == 0

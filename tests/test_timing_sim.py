@@ -27,7 +27,8 @@ def _report(name: str, stragglers: dict[int, float], timing_only: bool):
     return world.report, rows
 
 
-@pytest.mark.parametrize("stragglers", [{}, {3: 4.0}], ids=["uniform", "straggler"])
+@pytest.mark.parametrize("stragglers", [  # with a straggler: the slow tier
+    pytest.param({}, id="uniform"), pytest.param({3: 4.0}, id="straggler", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", available())
 def test_timing_only_equals_full_simulator(name, stragglers):
     full, full_rows = _report(name, stragglers, timing_only=False)

@@ -88,6 +88,7 @@ def test_adamw_nesterov_and_accumulation_train():
     assert nesterov["eval_accuracy"] > 0.8
 
 
+@pytest.mark.slow
 def test_non_iid_partition_has_consensus_only_with_local_methods(tmp_path):
     result = run_training(small(tmp_path, partition="dirichlet", dirichlet_alpha=0.1))
     split = json.loads((tmp_path / "partition.json").read_text())
@@ -102,6 +103,7 @@ def _final_model(run_dir: Path) -> dict:
 
 
 
+@pytest.mark.slow
 def test_resume_in_simulator_equals_uninterrupted(tmp_path, monkeypatch):
     cfg = dict(sim=3, steps=40, eval_every=10, checkpoint_every=10, momentum=0.9, quiet=True)
     straight = tmp_path / "straight"
@@ -126,6 +128,7 @@ def test_resume_in_simulator_equals_uninterrupted(tmp_path, monkeypatch):
     assert resumed["eval_accuracy"] == ev_a[-1]["eval_accuracy"]
 
 
+@pytest.mark.slow
 def test_resume_in_simulator_draws_the_same_step_times(tmp_path, monkeypatch):
     """With --jitter the simulated compute times are random: a checkpoint keeps each worker's
     generator of them, so AD-PSGD, whose exchanges follow the timing, resumes on the path of
@@ -301,6 +304,7 @@ def test_compare_refuses_flags_it_would_ignore(capsys):
     assert "does not take --option" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tensorboard_needs_run_dir_and_package(tmp_path, capsys):
     with pytest.raises(ValueError, match="run_dir"):
         TrainConfig(tensorboard=True)
@@ -326,6 +330,7 @@ def test_resume_refuses_other_settings_and_old_checkpoints_are_pruned(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_a_resumed_run_writes_its_own_settings_to_config_yaml(tmp_path):
     """``--resume --steps 30`` after a run of 20: config.yaml holds the settings of the run
     as it is now (steps 30, the new evaluation period), still a recipe that starts it anew
@@ -368,6 +373,7 @@ def test_compare_default_set_learns_the_default_task():
     assert synced["eval_accuracy"] >= accuracy["allreduce"] - 0.02
 
 
+@pytest.mark.slow
 def test_the_drift_before_the_final_average_is_recorded_and_reported(tmp_path):
     # D-PSGD settles nothing at the end: without the final exact average the last evaluation's
     # consensus distance is the drift at the last step; with it, that evaluation sees 0 and
@@ -400,6 +406,7 @@ def test_the_drift_of_an_asynchronous_method_is_measured_once_its_rounds_stop():
     assert result["consensus_distance"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["allreduce", "localsgd", "diloco", "adpsgd", "sgp"])
 def test_the_wall_clock_with_a_straggler_does_not_depend_on_evaluations_or_checkpoints(
         tmp_path, algorithm):

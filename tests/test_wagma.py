@@ -157,6 +157,7 @@ def _fast_steps_per_second(algorithm, steps: int = 60) -> float:
     return steps / max(clocks[-1] for rank, (clocks, _, _) in enumerate(results) if rank != 3)
 
 
+@pytest.mark.slow
 def test_fast_workers_are_twice_as_fast_as_under_allreduce_with_a_straggler():
     """One worker 4x slower: fast workers run ahead of its last published parameters by
     up to tau rounds, so a 4x straggler is hidden for tau >= 3 and mostly for tau = 2;
@@ -189,6 +190,7 @@ def test_bad_group_size_fails_before_any_worker_starts():
 # ---------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_train_on_digits():
     result = run_training(TrainConfig(sim=4, algorithm="wagma", quiet=True))
     assert result["eval_accuracy"] >= 0.85
@@ -373,6 +375,7 @@ def test_wagma_does_not_wait_for_the_straggler_on_gloo():
     assert max(age for _, _, stats in results for age in stats["ages"]) <= 3
 
 
+@pytest.mark.slow
 def test_a_resumed_run_skips_as_the_uninterrupted_one(tmp_path, monkeypatch):
     """Whether a worker waited in its last round decides whether its next may skip to the
     front: the checkpoint keeps it. A 3x straggler in groups of 2 (it skips, the others
