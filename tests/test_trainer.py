@@ -1,7 +1,9 @@
-"""The training loop's parts, each alone: the accounting of what the algorithm spent."""
+"""The training loop's parts, each alone: the accounting of what the algorithm spent, and the
+Trainer's step, end of step, checkpoint and resume."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +11,9 @@ import torch
 
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 from gossamer.train.accounting import Accounting, raw_counts
+from gossamer.train.config import TrainConfig
+from gossamer.train.loop import Trainer
+from gossamer.train.run import prepare
 
 # ---- Accounting
 
@@ -108,3 +113,132 @@ def test_count_until_counts_only_the_steps_not_counted_yet():
     assert (accounting.offsets["examples"], accounting.counted) == (2 * 32 + 3 * 16, 5)
     accounting.count_until(4, 16)  # behind what was counted: nothing
     assert (accounting.offsets["examples"], accounting.counted) == (112, 5)
+
+
+# ---- Trainer
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return prepare(TrainConfig(quiet=True))
+
+
+def _config(**changes) -> TrainConfig:
+    return TrainConfig(**{"sim": 2, "steps": 10, "quiet": True, **changes})
+
+
+def test_due_evaluates_every_eval_every_steps_and_at_the_last_and_saves_likewise(
+        digits, tmp_path):
+    def worker(comm, config):
+        trainer = Trainer(comm, config, digits)
+        return [trainer.due(done) for done in range(1, config.steps + 1)]
+
+    config = _config(eval_every=3, checkpoint_every=4, run_dir=str(tmp_path))
+    due = SimWorld(2).run(worker, config)[0]
+    assert [d for d, (evaluate, _) in enumerate(due, 1) if evaluate] == [3, 6, 9, 10]
+    assert [d for d, (_, save) in enumerate(due, 1) if save] == [4, 8, 10]
+    due = SimWorld(2).run(worker, _config(eval_every=0, checkpoint_every=0))[0]
+    assert [d for d, (evaluate, _) in enumerate(due, 1) if evaluate] == [10]
+    assert not any(save for _, save in due)
+
+
+def test_end_of_step_evaluates_and_saves_as_due(digits, tmp_path):
+    def worker(comm, config):
+        trainer = Trainer(comm, config, digits)
+        calls: list[tuple[str, int]] = []
+        trainer.evaluate = lambda done: calls.append(("evaluate", done))
+        trainer.save = lambda done: calls.append(("save", done))
+        for done in range(1, config.steps + 1):
+            trainer.end_of_step(done)
+        return calls
+
+    config = _config(eval_every=5, checkpoint_every=4, run_dir=str(tmp_path))
+    calls = SimWorld(2).run(worker, config)
+    assert calls[0] == calls[1] == [("save", 4), ("evaluate", 5), ("save", 8),
+                                    ("evaluate", 10), ("save", 10)]
+
+
+def test_one_step_changes_the_parameters_and_counts_the_examples(digits):
+    def worker(comm, config):
+        trainer = Trainer(comm, config, digits)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        loss = trainer.step(1)
+        after = [p.detach().clone() for p in trainer.model.parameters()]
+        return before, after, loss, trainer.accounting.counters(), trainer.window_count
+
+    config = _config(batch_size=16, accumulation=2)
+    results = SimWorld(2).run(worker, config)
+    for before, after, loss, (sent, _, _, examples), window in results:
+        assert any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+        assert loss > 0 and window == 1
+        assert examples == 16 * 2 * 2  # both workers' two minibatches
+        assert sent > 0  # the gradients' all-reduce is the algorithm's
+    for a, b in zip(results[0][1], results[1][1], strict=True):  # the replicas stay equal
+        assert torch.equal(a, b)
+
+
+def test_evaluate_writes_the_record_and_starts_a_new_window(digits):
+    def worker(comm, config):
+        trainer = Trainer(comm, config, digits)
+        losses = [trainer.step(done) for done in (1, 2)]
+        counted = trainer.accounting.counters()
+        record = trainer.evaluate(2)
+        return losses, record, trainer.window_count, counted, trainer.accounting.counters()
+
+    results = SimWorld(2).run(worker, _config())
+    losses, record, window, counted, after = results[0]
+    # the training loss since the last evaluation, the mean over the workers
+    mean = sum(sum(r[0]) / 2 for r in results) / 2
+    assert record["step"] == 2 and record["train_loss"] == pytest.approx(mean)
+    # the mean over the workers of the algorithm's bytes so far
+    assert record["bytes_sent"] == pytest.approx(sum(r[3][0] for r in results) / 2)
+    for *_, counted, after in results:  # the evaluation's traffic is not the algorithm's
+        assert after[:2] == counted[:2]
+    assert window == 0
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same_sampler(a: dict, b: dict) -> bool:
+    return (a["rng"], a["epoch"], a["position"]) == (b["rng"], b["epoch"], b["position"]) \
+        and torch.equal(a["order"], b["order"])
+
+
+def test_a_saved_trainer_resumes_to_the_same_state_and_the_same_next_step(digits, tmp_path):
+    config = _config(run_dir=str(tmp_path), algorithm="dpsgd", momentum=0.9)
+
+    def straight(comm):
+        trainer = Trainer(comm, config, digits)
+        for done in (1, 2, 3):
+            trainer.step(done)
+        trainer.save(3)
+        saved = (_params(trainer.model), trainer.sampler.state_dict(),
+                 trainer.accounting.totals())
+        trainer.step(4)
+        return saved, _params(trainer.model)
+
+    def resumed(comm):
+        trainer = Trainer(comm, config.replace(resume=True), digits)
+        state = (trainer.start, _params(trainer.model), trainer.sampler.state_dict(),
+                 trainer.accounting.totals())
+        trainer.step(4)
+        return state, _params(trainer.model)
+
+    world = SimWorld(2)
+    first = world.run(straight)
+    assert (Path(tmp_path) / "checkpoints").is_dir()
+    second = SimWorld(2).run(resumed)
+    for rank in (0, 1):
+        (params, sampler, totals), stepped = first[rank]
+        (start, params_again, sampler_again, totals_again), stepped_again = second[rank]
+        assert start == 3
+        assert all(torch.equal(a, b) for a, b in zip(params, params_again, strict=True))
+        assert _same_sampler(sampler_again, sampler)
+        assert totals_again["examples"] == totals["examples"] == 3 * 32 * 2
+        assert totals_again["bytes"] == totals["bytes"] > 0
+        # the optimizer's momentum, the algorithm's and the sampler's state came back too
+        assert all(torch.equal(a, b) for a, b in zip(stepped, stepped_again, strict=True))
+    # (D-PSGD's replicas differ: each worker's own state was saved and resumed)
+    assert not all(torch.equal(a, b) for a, b in zip(first[0][1], first[1][1], strict=True))
