@@ -61,10 +61,13 @@ def gloo_ddp_worker() -> torch.Tensor:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from gossamer.testing import destroy_process_group
+
     dist.init_process_group("gloo")
     model = DistributedDataParallel(_model())
     result = _train(model, _optimizer(model), int(os.environ["RANK"]))
-    dist.destroy_process_group()
+    del model  # DDP's reducer holds the group: freed first (see destroy_process_group)
+    destroy_process_group()
     return result
 
 

@@ -82,6 +82,8 @@ def ddp_worker(names: list[str]) -> dict[str, object]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from gossamer.testing import destroy_process_group
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out: dict[str, object] = {}
@@ -96,7 +98,8 @@ def ddp_worker(names: list[str]) -> dict[str, object]:
                          "bytes": state.comm.stats.total_bytes_sent}
         out["resume"] = _resume(rank)
     finally:
-        dist.destroy_process_group()
+        ddp = None  # DDP's reducer holds the group: freed first (see destroy_process_group)
+        destroy_process_group()
     return out
 
 

@@ -50,7 +50,8 @@ from gossamer.comm.environment import (
 )
 from gossamer.launch.supervisor import Supervisor
 
-__all__ = ["FRESH_VARIABLE", "Failed", "close_pools", "collect", "free_port", "run_in_turn",
+__all__ = ["FRESH_VARIABLE", "Failed", "close_pools", "collect", "destroy_process_group",
+           "free_port", "run_in_turn",
            "spawn_gloo", "state_tensors"]
 
 _LINGER = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
@@ -102,9 +103,28 @@ def _destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            destroy_process_group()
         except Exception:  # noqa: BLE001 - the result is written; teardown errors don't matter
             pass
+
+
+def destroy_process_group() -> None:
+    """``torch.distributed.destroy_process_group()``, once gloo's worker threads are idle.
+
+    A gloo process group's destructor joins its worker threads while the caller holds the GIL,
+    and a worker thread that is destroying a finished operation may need the GIL (torch 2.13):
+    the two wait for each other for ever. Seen in a process that ran DDP and then dropped its
+    last reference to the group (a hang about one run in ten). So: collect what is garbage
+    (a DDP reducer holds the group), let the worker threads finish with the GIL free, then
+    destroy. A caller drops its own references to DDP models first."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    time.sleep(0.05)  # (sleeping releases the GIL)
+    dist.destroy_process_group()
 
 
 def spawn_gloo(
