@@ -125,6 +125,7 @@ def test_a_huge_topology_is_refused_at_once_naming_workers(capsys):
     assert "--workers 100000" in err and "at most 1024" in err
 
 
+@pytest.mark.slow
 def test_a_damaged_config_yaml_on_resume_is_an_error_naming_it(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*RUN, "--run-dir", str(run_dir)]) == 0
@@ -163,6 +164,7 @@ def test_a_text_file_that_is_not_utf8_is_an_error_naming_it(tmp_path, capsys):
 # ------------------------------------- 4 and 5: resuming without the run's recorded settings
 
 
+@pytest.mark.slow
 def test_resuming_without_config_yaml_is_refused_whatever_the_settings(tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main([*RUN, "--run-dir", str(run_dir)]) == 0

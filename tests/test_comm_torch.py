@@ -228,6 +228,7 @@ def test_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow
 @pytest.mark.gloo
 def test_a_tensor_on_a_device_the_backend_does_not_carry_is_a_value_error(monkeypatch) -> None:
     """torch's error for it ("No backend type associated with device type cpu", as NCCL

@@ -143,6 +143,7 @@ def test_gossipgrad_goes_on_with_the_survivors_partners_and_empty_memories():
 # ------------------------------------------------------------------------- the simulator
 
 
+@pytest.mark.slow
 def test_simulated_survivors_go_on_and_stay_within_a_point_of_a_fault_free_run():
     clean = _sim("sgp")
     survived = _sim("sgp", (CRASH,))

@@ -584,6 +584,7 @@ def test_registry_names_and_options():
     assert dataclasses.replace(streaming) == StreamingDiLoCo(fragments=2, precision="int8")
 
 
+@pytest.mark.slow
 def test_replica_size_flag_sets_the_option(tmp_path, capsys):
     import yaml
 
@@ -601,6 +602,7 @@ def test_replica_size_flag_sets_the_option(tmp_path, capsys):
     assert "no option 'group_size'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_old_group_size_of_diloco_still_works_with_a_note(tmp_path, capsys):
     """--group-size and the option group_size were DiLoCo's replicas before they were named
     apart from WAGMA's groups: read for one release, with a note naming the new name."""
@@ -624,6 +626,7 @@ def test_the_old_group_size_of_diloco_still_works_with_a_note(tmp_path, capsys):
     assert "keep 'replica_size'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_recipe_and_a_run_directory_saved_with_group_size_still_load(tmp_path, capsys):
     """A recipe and a run's config.yaml as gossamer wrote them before the rename (DiLoCo's
     replicas under ``group_size``): both load, the run resumes."""

@@ -216,6 +216,7 @@ def test_cli_demo_nan_raises_naming_rank_and_step(capsys) -> None:
         assert "CommTimeoutError" in line and "rank 1" in line
 
 
+@pytest.mark.slow
 def test_cli_demo_nan_skip_finishes_with_every_worker_finite(monkeypatch, capsys) -> None:
     models = _models_of_every_worker(monkeypatch)
     code = main(["train", "--sim", "4", "--algorithm", "sgp", "--fault", "1:5:nan",

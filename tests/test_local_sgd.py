@@ -391,6 +391,7 @@ def test_inside_a_round_the_statistics_are_the_averaged_models():
         assert torch.allclose(after["1.running_var"], sum(variances) / 3, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_reestimation_runs_in_training(tmp_path):
     from test_data import write_cifar
 

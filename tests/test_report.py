@@ -224,6 +224,7 @@ def test_run_plot_defaults_to_the_run_dirs_plots_folder(tmp_path, capsys):
     assert str(run_dir / "plots" / "loss_vs_bytes.png") in printed
 
 
+@pytest.mark.slow
 def test_run_plot_several_runs_to_out(tmp_path, capsys):
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", "gossip")
     out = tmp_path / "cmp"
@@ -232,6 +233,7 @@ def test_run_plot_several_runs_to_out(tmp_path, capsys):
     assert str(out / "accuracy_vs_steps.png") in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_run_plot_several_runs_default_to_cwd_folder(tmp_path, monkeypatch):
     a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", "gossip")
     monkeypatch.chdir(tmp_path)
@@ -276,6 +278,7 @@ def _drawn_figures(monkeypatch) -> list:
     return figures
 
 
+@pytest.mark.slow
 def test_sixteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_path,
                                                                         monkeypatch):
     """compare's 16 default methods: 16 styles, a method's the same in every figure, the

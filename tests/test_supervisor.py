@@ -144,6 +144,7 @@ def test_is_failure_decides_what_stops_the_others(tmp_path: Path) -> None:
     assert output.out.getvalue() == "survived\n"
 
 
+@pytest.mark.slow
 def test_a_timeout_fires_and_stops_every_worker() -> None:
     with Supervisor(grace=5) as workers:
         workers.start(0, _python(FOREVER), os.environ)

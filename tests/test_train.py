@@ -32,6 +32,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_run_dir_holds_config_metrics_partition(tmp_path):
     result = run_training(small(tmp_path, log_every=5))
     records = read_metrics(tmp_path)
@@ -177,6 +178,7 @@ def test_checkpoint_with_pickled_callable_is_refused(tmp_path):
         ckpt.safe_load(path)
 
 
+@pytest.mark.slow
 def test_interrupted_save_leaves_latest_on_complete_checkpoint(tmp_path):
     run_training(small(tmp_path, steps=20, checkpoint_every=10))
     assert ckpt.latest_checkpoint(tmp_path).name == "step-00000020"
@@ -319,6 +321,7 @@ def test_tensorboard_needs_run_dir_and_package(tmp_path, capsys):
         assert list((tmp_path / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_settings_and_old_checkpoints_are_pruned(tmp_path):
     run_training(small(tmp_path, steps=40, checkpoint_every=10, keep_checkpoints=2))
     kept = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))

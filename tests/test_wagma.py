@@ -133,6 +133,7 @@ def test_synchronous_groups_average_exactly_within_each_group():
     assert not torch.allclose(results[0][0], results[1][0], atol=1e-6)  # a real average
 
 
+@pytest.mark.slow
 def test_no_contribution_is_older_than_tau_and_the_bound_is_reached():
     for tau in (1, 2, 3):
         results = _straggler_world().run(_timeline, WAGMA(tau=tau), 40)

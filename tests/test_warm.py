@@ -48,6 +48,7 @@ def test_a_module_and_code_run_with_their_arguments(tmp_path):
     assert (done.stdout, done.stderr, done.returncode) == ("['-c', 'x']\n", "no\n", 1)
 
 
+@pytest.mark.slow
 def test_a_program_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_python(["-c", "import time; print('started', flush=True); time.sleep(60)"],
