@@ -164,6 +164,11 @@ def test_without_the_global_hooks_torchs_wrapper_runs_them(monkeypatch):
     monkeypatch.setattr(torch_internals, "_GLOBAL_HOOKS", None)
     assert hooked_step() == (ORDER, "stepped")
     assert unwrapped_step(Recording.step) is None  # gossamer calls optimizer.step() itself
+    assert wrapped_step_calls() == ORDER
+
+
+def wrapped_step_calls() -> list:
+    """What gossamer's step of a recording optimizer called, in order (hooks and step)."""
     calls: list = []
     optimizer, handles = recording(calls)
     try:
@@ -171,7 +176,7 @@ def test_without_the_global_hooks_torchs_wrapper_runs_them(monkeypatch):
     finally:
         for handle in handles:
             handle.remove()
-    assert calls == ORDER
+    return calls
 
 
 def test_without_an_optimizers_own_hooks_torchs_wrapper_runs_the_step(monkeypatch):
@@ -199,14 +204,7 @@ def test_without_the_profilers_flag_torchs_records_are_kept(monkeypatch):
         assert any("_profiler_enabled is gone" in m for m in check())
     monkeypatch.setattr(torch_internals, "_PROFILER_ENABLED", None)
     assert profiler_enabled()  # so torch's own step wrapper and zero_grad run
-    calls: list = []
-    optimizer, handles = recording(calls)
-    try:
-        _step_wrapped(optimizer)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert calls == ORDER
+    assert wrapped_step_calls() == ORDER
 
 
 def test_without_the_scalers_found_inf_an_overflow_is_still_skipped(monkeypatch):
