@@ -50,7 +50,7 @@ What gossamer adds to the paper:
   synchronisation).
 - **Checkpoints mid-exchange**: the runtime's state holds the exchange in flight (the vector
   each worker sent, and its errors as they were before); a runtime that loads it sends the
-  same payloads again at its next step, so a resumed run is the uninterrupted one.
+  same payloads again at once (uncounted), so a resumed run is the uninterrupted one.
 
 Under ``on_failure="continue"`` the members drop the exchange in flight (each one's
 quantisation error goes back to what it was before it), take rank 0's global parameters and
@@ -67,6 +67,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -77,7 +78,7 @@ from torch import nn
 from gossamer.algorithms.base import average_tensors
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
 from gossamer.checks import check_int
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, CommunicatorBase
 from gossamer.comm.buckets import apply_flat
 from gossamer.comm.state import broadcast_object
 from gossamer.compress.lowbit import PRECISIONS, LowBit
@@ -186,6 +187,8 @@ class Exchange:
     sent_before: torch.Tensor | None  # its errors of the fragment before the exchange
     mean_before: torch.Tensor | None
     mean: ScatteredMean | None = None  # None: not started here (loaded from a state)
+    #: its first messages were sent, and counted, before a checkpoint: sent again uncounted
+    counted: bool = False
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer,
@@ -277,8 +280,10 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         if exchange.mean is None:
             fragment = exchange.fragment
             self._restore_errors(exchange)
-            exchange.mean = ScatteredMean(self.across, exchange.vector, self.codec,
-                                          self.residuals, fragment)
+            again = exchange.counted and isinstance(self.across, CommunicatorBase)
+            with self.across.uncounted() if again else contextlib.nullcontext():
+                exchange.mean = ScatteredMean(self.across, exchange.vector, self.codec,
+                                              self.residuals, fragment)
         return exchange.mean
 
     def _restore_errors(self, exchange: Exchange) -> None:
@@ -495,9 +500,10 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         """Also each worker's quantisation errors and its exchange in flight, when the state
         is its own (saved at the same rank of as many workers, with the same fragments): a
         worker that rejoins receives a member's state, and starts with no errors of its own
-        instead of that member's. An exchange in flight starts again at the next step, with
-        the same payloads: every worker must load its own state (a resumed run), and the run
-        goes on as the one that saved it."""
+        instead of that member's. An exchange in flight starts again at once, before the next
+        step's compute, with the same payloads, uncounted (they were counted before the
+        checkpoint): every worker must load its own state (a resumed run, collective), and
+        the run goes on as the one that saved it."""
         super().load_state_dict(state)
         count = self.config.fragments
         self.fragment_syncs = [int(x) for x in state["fragment_syncs"]]
@@ -517,4 +523,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
                 return saved[key].clone() if saved.get(key) is not None else None
 
             self.in_flight = Exchange(int(saved["fragment"]), saved["vector"].clone(),
-                                      before("sent_before"), before("mean_before"))
+                                      before("sent_before"), before("mean_before"),
+                                      counted=True)
+            # sent again now, as the run that saved it had sent it before its next step
+            self._started()
