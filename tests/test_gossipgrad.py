@@ -12,9 +12,9 @@ from torch import nn
 
 import gossamer
 from gossamer.algorithms import AllReduce, GossipGraD, create
-from gossamer.algorithms.gossipgrad import GradientGossip
 from gossamer.comm import SimWorld
 from gossamer.hooks import GossipGraDState, gossipgrad_hook
+from gossamer.patterns.pairwise import GradientGossip
 from gossamer.topology import GossipGradSchedule
 from gossamer.train.config import TrainConfig
 from gossamer.train.run import run_training

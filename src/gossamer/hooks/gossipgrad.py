@@ -3,7 +3,7 @@
 For people who already train with ``torch.nn.parallel.DistributedDataParallel``: each gradient
 bucket is averaged inside its local group and then with the partner node's, exactly as the
 :class:`~gossamer.algorithms.GossipGraD` algorithm does (both call
-:class:`~gossamer.algorithms.gossipgrad.GradientGossip`), so the two give the same parameters.
+:class:`~gossamer.patterns.pairwise.GradientGossip`), so the two give the same parameters.
 Works on gloo and NCCL; the traffic goes through a
 :class:`~gossamer.comm.TorchCommunicator`, whose ``stats`` count every byte.
 
@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer.algorithms.base import average_tensors, model_tensors
-from gossamer.algorithms.gossipgrad import GradientGossip
 from gossamer.comm.base import Communicator
 from gossamer.hooks.agreement import HookState, hook_communicator
 from gossamer.patterns.nonfinite import agree, all_finite
+from gossamer.patterns.pairwise import GradientGossip
 
 __all__ = ["GossipGraDState", "gossipgrad_hook"]
 

@@ -12,7 +12,10 @@ written once, used by every method that needs it, and tested on SimWorld and on 
   kept until known complete, and stamped messages with acknowledgements and a closing
   handshake (the asynchronous methods, WAGMA and AD-PSGD);
 - :mod:`~gossamer.patterns.staleness`: the models partners published for rounds, looked up by
-  age, behind a bounded-staleness average.
+  age, behind a bounded-staleness average;
+- :mod:`~gossamer.patterns.pairwise`: GossipGraD's gradient exchange, a local group's exact
+  mean and then one rotating partner node's (1/2 each), exact or compressed (the algorithm and
+  its DDP comm hook).
 
 A method's module then holds its configuration, its schedule and its arithmetic.
 """
