@@ -23,8 +23,10 @@ from gossamer.algorithms import (
     TopKAllReduce,
     create,
     describe,
+    lookup,
     with_compression,
 )
+from gossamer.algorithms.registry import describe_help
 from gossamer.comm import SimWorld
 from gossamer.compress import (
     DGCCompressor,
@@ -38,6 +40,7 @@ from gossamer.compress import (
 from gossamer.compress.registry import DGCCompression, TopKCompression
 from gossamer.hooks import CompressionState, DGCState, TopKState
 from gossamer.options import option_help
+from gossamer.train.config import resolve_algorithm
 
 ALIASES = [DGC, TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce,
            FP16AllReduce]
@@ -48,14 +51,26 @@ SPECS = ["dgc:ratio=0.05:warmup_steps=3:clip_norm=2.0:fp16_values=false",
          "fp16:dtype=bfloat16"]
 
 
-def test_every_compressor_has_an_alias_of_its_name():
-    assert available_compressors() == sorted(cls.name for cls in ALIASES)
-    for alias in ALIASES:
-        entry = lookup_compression(alias.name)
-        assert issubclass(alias, entry)
-        # the alias offers the entry's options, with the same defaults and help
-        assert option_help(alias).items() >= option_help(entry).items()
-        assert alias().compression == entry()
+def test_every_compressor_has_a_preset_of_its_name():
+    assert available_compressors() == sorted(preset.name for preset in ALIASES)
+    for preset in ALIASES:
+        entry = lookup_compression(preset.name)
+        assert lookup(preset.name) is preset and not isinstance(preset, type)  # no class
+        # the preset offers the entry's options, with the same defaults and help
+        rows = {row[0]: (row[2], row[3]) for row in describe_help(preset.name)}
+        assert {k: rows[k][1] for k in option_help(entry)} == option_help(entry)
+        assert all(rows[f.name][0] == f.default for f in dataclasses.fields(entry))
+        # and builds AllReduce with it: the same object as by the compressor's spec
+        built = preset()
+        assert type(built) is AllReduce and built == AllReduce(compression=entry())
+        assert create(preset.name) == built and built.label == preset.name
+        assert create(preset.name, {"bucket_mb": "5"}) == AllReduce(compression=entry(),
+                                                                    bucket_mb=5.0)
+    with pytest.raises(ValueError, match="algorithm 'topk' has no option 'rank'; its options: "
+                                         "aggregation, bucket_mb, error_feedback"):
+        create("topk", {"rank": "2"})
+    with pytest.raises(ValueError, match="ratio must be in"):
+        create("topk", {"ratio": "0"})
 
 
 # ------------------------------------------------------------------------ specs
@@ -106,15 +121,16 @@ def test_with_compression_names_the_argument_and_the_methods_that_take_it():
                                          "compressor; the methods that do: allreduce, "
                                          "diloco, gossipgrad"):
         with_compression(SGP(), "topk")
-    with pytest.raises(ValueError, match="compressor: algorithm 'dgc' does not take"):
-        with_compression(DGC(), "topk")
+    with pytest.raises(ValueError, match="compressor: algorithm 'dgc' is allreduce with dgc's "
+                                         "compressor already"):
+        resolve_algorithm("dgc", compressor="topk")
     with pytest.raises(ValueError, match="compression 'powersgd' cannot go through "
                                          "gossipgrad's.*gossipgrad takes fp16, qsgd, randomk, "
                                          "topk"):
         with_compression(GossipGraD(), "powersgd")
     with pytest.raises(ValueError, match="compression 'dgc' cannot go through gossipgrad"):
         GossipGraD(compression="dgc")
-    with pytest.raises(ValueError, match="compression: DGC is an algorithm"):
+    with pytest.raises(ValueError, match="compression: AllReduce is an algorithm"):
         AllReduce(compression=DGC())
     with pytest.raises(ValueError, match="compression: give either"):
         AllReduce(compression="topk", compressor=TopK())
@@ -145,9 +161,9 @@ def test_build_gives_what_the_aliases_gave():
     assert parse_compression("topk").build(4)[1] == ErrorFeedback()
     assert parse_compression("topk:error_feedback=false").build(4)[1] is None
     assert parse_compression("qsgd").build(4)[1] is None
-    built = DGC(ratio=0.01, clip_norm=2.0, node_size=2, bucket_mb=5).allreduce(4)
+    built = DGC(ratio=0.01, clip_norm=2.0, node_size=2, bucket_mb=5)
     # nodes of 2: the memory holds a node's mean, one of 2 averaged between the nodes
-    assert (built.compressor, built.memory, built.node_size, built.bucket_mb) == (
+    assert (*built.compressor_and_memory(4), built.node_size, built.bucket_mb) == (
         compressor, DGCMemory(clip_norm=2.0 * 2 ** 0.5), 2, 5)
 
 
@@ -294,7 +310,7 @@ def test_one_hook_state_serves_every_compressor():
 @pytest.mark.parametrize("name", ["dgc", "topk"])
 def test_sparse_aliases_take_the_sparse_all_reduce(name):
     alias = create(name, {"aggregation": "sparse_allreduce"})
-    assert alias.allreduce(4).aggregation == "sparse_allreduce"
-    assert create(name, {}).allreduce(4).aggregation is None  # the compressor's own
+    assert alias.aggregation == "sparse_allreduce"
+    assert create(name, {}).aggregation is None  # the compressor's own
     with pytest.raises(ValueError, match="aggregation"):
         create(name, {"aggregation": "allreduce"})  # sparse payloads cannot be summed

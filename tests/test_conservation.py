@@ -173,7 +173,7 @@ PARAMS = [pytest.param(case, id=case.id,
 
 
 def test_every_registered_algorithm_has_a_conservation_case():
-    covered = {case.algorithm.name for case in CASES}
+    covered = {case.algorithm.label for case in CASES}
     missing = sorted(set(available()) - covered)
     assert not missing, f"no conservation case for {missing}: add one to CASES"
 

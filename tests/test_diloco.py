@@ -556,13 +556,29 @@ def test_bad_diloco_options_name_the_argument(kwargs, name):
     ({"mixing": 1.5}, "mixing"),
     ({"precision": "int2"}, "precision"),
     ({"pattern": "random"}, "pattern"),
-    ({"alpha": 0.1}, "alpha"),
-    ({"warmup_period": 2}, "warmup_period"),
-    ({"compression": "topk"}, "compression"),
 ])
 def test_bad_streaming_options_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         StreamingDiLoCo(**kwargs)
+
+
+@pytest.mark.parametrize("option, value", [("alpha", 0.1), ("warmup_period", 2),
+                                           ("compression", "topk")])
+def test_diloco_options_streaming_diloco_does_not_take_are_no_options(option, value, capsys):
+    # not inherited and refused: not options at all; by name, a file or the command line
+    # gets an error that names it and says why
+    assert option not in {f.name for f in dataclasses.fields(StreamingDiLoCo)}
+    with pytest.raises(TypeError, match=option):
+        StreamingDiLoCo(**{option: value})
+    with pytest.raises(ValueError, match=f"{option}=.*not taken"):
+        create("streaming-diloco", {option: str(value)})
+    # at the value it had to hold, as a file written when it was an option says: a note
+    default = dataclasses.fields(DiLoCo)[[f.name for f in dataclasses.fields(DiLoCo)].index(
+        option)].default
+    assert create("streaming-diloco", {option: default}) == StreamingDiLoCo()
+    assert f"{option!r} is no longer read" in capsys.readouterr().err
+    # QSR's rule options had no effect on it: any value is dropped, with the note
+    assert create("streaming-diloco", {"power": "3", "warmup": "rising_lr"}) == StreamingDiLoCo()
 
 
 def test_replica_size_must_divide_the_world():
@@ -574,7 +590,7 @@ def test_any_torch_optimizer_is_the_outer_one():
     adam = DiLoCo(period=4, outer="adam", outer_lr=0.01)
     factory = DiLoCo(period=4, outer_optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
     _close(_library(adam, momentum=0.9), _library(factory, momentum=0.9), 0.0)
-    assert isinstance(adam.make_outer([nn.Parameter(torch.zeros(2))]), torch.optim.Adam)
+    assert isinstance(adam.outer_step.make([nn.Parameter(torch.zeros(2))]), torch.optim.Adam)
 
 
 def test_registry_names_and_options():

@@ -119,7 +119,7 @@ CASES = _cases()
 
 
 def test_every_registered_algorithm_has_a_parity_case():
-    covered = {case.algorithm.name for case in CASES}
+    covered = {case.algorithm.label for case in CASES}
     missing = sorted(set(available()) - covered)
     assert not missing, f"no parity case for {missing}: add one to CASES"
 

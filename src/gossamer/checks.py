@@ -18,3 +18,9 @@ def check_positive(name: str, value: float, *, allow_zero: bool) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """``value`` must be one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

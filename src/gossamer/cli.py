@@ -215,22 +215,26 @@ def summary(cls: type) -> str:
 
 def _algorithms(args: argparse.Namespace) -> int:
     from gossamer.algorithms import available, lookup
+    from gossamer.algorithms.registry import describe_help
+    from gossamer.algorithms.registry import summary as algorithm_summary
     from gossamer.compress.registry import available_compressors, lookup_compression
     from gossamer.options import describe_options
 
-    def show(name: str, cls: type) -> None:
-        print(f"{name}: {summary(cls)}")
-        if getattr(cls, "needs", ""):
-            print(f"    NEEDS: {cls.needs}")
-        for option, type_name, default, text in describe_options(cls):
+    def show(name: str, text: str, needs: str,
+             options: list[tuple[str, str, object, str]]) -> None:
+        print(f"{name}: {text}")
+        if needs:
+            print(f"    NEEDS: {needs}")
+        for option, type_name, default, help_text in options:
             print(f"    {option} ({type_name}, default {default!r})"
-                  + (f": {text}" if text else ""))
+                  + (f": {help_text}" if help_text else ""))
 
     for name in available():
-        show(name, lookup(name))
+        show(name, algorithm_summary(name), lookup(name).needs, describe_help(name))
     print("\ncompressors (--compressor NAME[:KEY=VALUE...], with a gradient-level method):")
     for name in available_compressors():
-        show(name, lookup_compression(name))
+        cls = lookup_compression(name)
+        show(name, summary(cls), "", describe_options(cls))
     return 0
 
 

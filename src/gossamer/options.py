@@ -37,6 +37,13 @@ def option(default: Any = _MISSING, help: str = "", *,  # noqa: A002 - argparse'
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def option_of(cls: type, name: str) -> Any:
+    """A dataclass field with the default and help of the field ``name`` of the dataclass
+    ``cls``: an option declared where it is implemented, offered again elsewhere."""
+    source = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return option(source.default, source.metadata.get("help", ""))
+
+
 def option_help(cls: type) -> dict[str, str]:
     """The help text of each init field of the dataclass ``cls`` ("" where none is given)."""
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls) if f.init}
@@ -59,16 +66,32 @@ def describe_options(cls: type) -> list[tuple[str, str, Any, str]]:
     return rows
 
 
+#: in ``retired`` of :func:`converted`: any value of the option is dropped
+ANY_VALUE = object()
+
+
 def converted(cls: type, options: Mapping[str, Any], owner: str,
-              renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
+              renamed: Mapping[str, str] | None = None,
+              retired: Mapping[str, tuple[Any, str]] | None = None) -> dict[str, Any]:
     """``options`` as keyword arguments of the dataclass ``cls``: each name checked against its
     init fields (ValueError naming ``owner``, e.g. ``"algorithm 'sgp'"``, and listing them) and
     each string converted to the field's type (:func:`convert`). ``renamed`` maps an option's
-    old name to its new one: the old name is read with a note on stderr (both: an error)."""
+    old name to its new one: the old name is read with a note on stderr (both: an error).
+    ``retired`` maps an option that ``cls`` no longer has to (the one value it could take,
+    or :data:`ANY_VALUE` where it had no effect; why): that value is dropped with a note on
+    stderr, so that files written before still load; another is an error saying why."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls) if f.init]
     options = dict(options)
     read_renamed(options, renamed or {}, owner, "option")
+    for key, (value, why) in (retired or {}).items():
+        if key not in options:
+            continue
+        given = options.pop(key)
+        if value is not ANY_VALUE and not _same_value(given, value):
+            raise ValueError(f"{owner}: option {key}={given!r} is not taken: {why}")
+        print(f"note: {owner}: option {key!r} is no longer read ({why}); "
+              f"{key}={given!r} is ignored", file=sys.stderr)
     kwargs = {}
     for key, value in options.items():
         if key not in known:
@@ -76,6 +99,18 @@ def converted(cls: type, options: Mapping[str, Any], owner: str,
                              f"{', '.join(sorted(known)) or 'none'}")
         kwargs[key] = convert(key, value, hints[key], owner=owner)
     return kwargs
+
+
+def _same_value(given: Any, value: Any) -> bool:
+    """Whether ``given`` (a value, or a string from a command line) is ``value``."""
+    if isinstance(given, str) and not isinstance(value, str):
+        if value is None:
+            return given.lower() in ("none", "null")
+        try:
+            return float(given) == value
+        except ValueError:
+            return False
+    return bool(given == value)
 
 
 def read_renamed(settings: dict[str, Any], renamed: Mapping[str, str], where: str,

@@ -5,6 +5,8 @@ from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors, model_tensors
 from gossamer.algorithms.compressed import (
     DGC,
+    PRESETS,
+    CompressionPreset,
     FP16AllReduce,
     PowerSGDAllReduce,
     QSGDAllReduce,
@@ -30,15 +32,13 @@ from gossamer.algorithms.sparta import SPARTA
 from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
-for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, DGC,
-             TopKAllReduce, RandomKAllReduce, QSGDAllReduce, PowerSGDAllReduce, FP16AllReduce,
-             DiLoCo, StreamingDiLoCo):
-    register(_cls)
-for _cls in (SPARTA, DeMo):
+for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, *PRESETS,
+             DiLoCo, StreamingDiLoCo, SPARTA, DeMo):
     register(_cls)
 
 __all__ = [
     "ADPSGD",
+    "CompressionPreset",
     "DGC",
     "DiLoCo",
     "StreamingDiLoCo",

@@ -162,6 +162,14 @@ class AllReduce(Algorithm):
             return self.compression.build(max(1, world_size // self.node_size))
         return self.compressor, self.memory
 
+    @property
+    def label(self) -> str:
+        """``allreduce``, or with a registered compressor its name, the preset's that builds
+        it (``--algorithm dgc`` and ``--algorithm allreduce --compressor dgc`` alike)."""
+        if isinstance(self.compression, Compression):
+            return self.compression.name
+        return self.name
+
     def symmetric(self) -> bool:
         # every worker makes the same collectives; the sparse all-reduce's all-to-all of
         # sizes is not a rotation of the ranks (each sends in rank order)

@@ -52,9 +52,16 @@ class Algorithm(ABC):
     #: method needs no step in which every worker takes part, and its runtime implements
     #: :meth:`Runtime.change_membership`.
     continues_after_failure: ClassVar[bool] = False
-    #: Whether a ``compression`` field of the configuration takes a compressor
-    #: (``--compressor``); a method that inherits the field but refuses it says False.
-    takes_compression: ClassVar[bool] = True
+    #: Options it no longer has, name -> (the one value it could take, or
+    #: :data:`gossamer.options.ANY_VALUE` where it had no effect; why): files written before
+    #: still load (see :func:`gossamer.options.converted`).
+    retired_options: ClassVar[Mapping[str, tuple[Any, str]]] = MappingProxyType({})
+
+    @property
+    def label(self) -> str:
+        """What results, summaries and tables call this method: its registry name, or the
+        preset's it was built as (``dgc`` for AllReduce with DGC's compressor)."""
+        return self.name
 
     def symmetric(self) -> bool:
         """Whether, on a cluster of equal workers and links, every worker makes the same calls

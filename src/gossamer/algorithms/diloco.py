@@ -42,8 +42,7 @@ Example::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -52,34 +51,35 @@ import torch
 from torch import nn
 
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime, compression_argument
-from gossamer.algorithms.base import average_tensors
+from gossamer.algorithms.base import Algorithm, average_tensors
 from gossamer.algorithms.local_sgd import QSR, LocalSGD, LocalSGDRuntime, optimizer_state_tensors
-from gossamer.checks import check_int
+from gossamer.algorithms.outer import (
+    OuterFactory,
+    OuterState,
+    OuterStep,
+    check_replicas,
+    check_replicas_divide,
+    group_communicators,
+)
+from gossamer.algorithms.rounds import (
+    QSR_WARMUPS,
+    ConstantPeriod,
+    PeriodRule,
+    QuadraticRule,
+    RoundSchedule,
+)
+from gossamer.checks import check_choice, check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
 from gossamer.comm.state import broadcast_object
 from gossamer.compress.reducer import CompressedReducer
 from gossamer.compress.registry import Compression, DGCCompression
-from gossamer.options import option
+from gossamer.options import option, option_of
 from gossamer.patterns.nonfinite import all_finite
-
-OuterFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-
-def outer_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimizer class called ``name`` (any case); ValueError naming the
-    ``outer`` option otherwise."""
-    classes = {cls.__name__.lower(): cls for cls in vars(torch.optim).values()
-               if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-               and cls is not torch.optim.Optimizer}
-    if not isinstance(name, str) or name.lower() not in classes:
-        raise ValueError(f"outer: {name!r} is not a torch.optim optimizer; known: "
-                         f"{', '.join(sorted(classes))}")
-    return classes[name.lower()]
 
 
 @dataclass(frozen=True, kw_only=True)
-class DiLoCo(QSR):
+class DiLoCo(Algorithm):
     """DiLoCo (Douillard et al. 2023): rounds of H inner steps, then an outer optimizer step
     on the pseudo-gradient averaged over the workers (or groups).
 
@@ -87,13 +87,11 @@ class DiLoCo(QSR):
         period: H, inner steps per round (default 16); H_base when ``alpha > 0``.
         alpha: 0 (default): a constant period; > 0: the period follows the Quadratic
             Synchronization Rule from the inner learning rate (see :class:`QSR`, ``power``).
-        outer: the outer optimizer, a ``torch.optim`` class name (default ``"sgd"``).
-        outer_lr: its learning rate (default 0.7, the paper's).
-        outer_momentum: SGD's momentum (default 0.9, the paper's); only for ``outer="sgd"``.
-        outer_nesterov: SGD's Nesterov momentum (default True, the paper's).
-        outer_optimizer: Python: a factory ``params -> torch.optim.Optimizer`` over the global
-            parameters, instead of ``outer``, ``outer_lr``, ``outer_momentum`` and
-            ``outer_nesterov`` (default None).
+        outer, outer_lr, outer_momentum, outer_nesterov, outer_optimizer: the outer step
+            (:class:`~gossamer.algorithms.outer.OuterStep`, :attr:`outer_step`): a
+            ``torch.optim`` class name (default ``"sgd"``), its learning rate (0.7), SGD's
+            momentum (0.9) and Nesterov (True), the paper's; or a Python factory
+            ``params -> torch.optim.Optimizer`` over the global parameters instead.
         compression: a compressor spec for the pseudo-gradients, ``"topk:ratio=0.01"`` (see
             :mod:`gossamer.compress.registry`), with its error feedback (default None: the
             exact float32 average). DGC's memory is a gradient method's and is refused.
@@ -107,56 +105,52 @@ class DiLoCo(QSR):
             synchronously (default 0: none). The parameters are averaged after each worker's
             own step: exactly synchronous training for SGD, close to it for AdamW, whose
             moments stay each worker's own.
-        (and the options of :class:`QSR` and :class:`LocalSGD`: ``power``, ``warmup``,
-        ``warmup_period``, ``average_optimizer_state`` (the inner state,
-        averaged at each outer step), ``average_buffers``, ``reestimate_batchnorm``,
-        ``average_at_end``: an outer step after the last step if it did not end a round.)
+        power, warmup: the rule's, as :class:`QSR`'s (with ``alpha > 0``).
+        warmup_period, average_optimizer_state (the inner state, averaged at each outer
+            step), average_buffers, reestimate_batchnorm, average_at_end (an outer step after
+            the last step if it did not end a round): as :class:`LocalSGD`'s.
+
+    The rounds' lengths are :attr:`schedule`'s (:mod:`gossamer.algorithms.rounds`): a
+    constant period, or with ``alpha > 0`` the Quadratic Synchronization Rule, after the
+    warm-up, the last round cut to end at the last step.
     """
 
     name: ClassVar[str] = "diloco"
     continues_after_failure: ClassVar[bool] = True
     renamed_options: ClassVar[Mapping[str, str]] = MappingProxyType(
         {"group_size": "replica_size"})
-    #: the number of outer steps is what a worker counts as synchronisations
-    cap_to_end: ClassVar[bool] = True
 
     period: int = option(16, "H: inner steps per outer step; H_base when alpha > 0")
+    warmup_steps: int = option(0, "rounds starting before this step last warmup_period steps "
+                               "and end with a plain average (synchronous warm-up), no outer "
+                               "step")
+    warmup_period: int = option_of(LocalSGD, "warmup_period")
+    average_optimizer_state: bool = option_of(LocalSGD, "average_optimizer_state")
+    average_buffers: bool = option_of(LocalSGD, "average_buffers")
+    reestimate_batchnorm: int = option_of(LocalSGD, "reestimate_batchnorm")
+    average_at_end: bool = option_of(LocalSGD, "average_at_end")
     alpha: float = option(0.0, "0: constant period; > 0: the QSR rule from the inner lr, "
                           "H = max(period, floor((alpha / lr) ** power))")
-    outer: str = option("sgd", "the outer optimizer: a torch.optim class name (sgd, adam, "
-                        "adamw, ...)")
-    outer_lr: float = option(0.7, "the outer learning rate")
-    outer_momentum: float = option(0.9, "the outer SGD's momentum")
-    outer_nesterov: bool = option(True, "the outer SGD's Nesterov momentum")
-    outer_optimizer: OuterFactory | None = option(
-        None, "Python: a factory params -> torch optimizer, instead of outer and outer_*")
+    power: float = option_of(QSR, "power")
+    warmup: str = option_of(QSR, "warmup")
+    outer: str = option_of(OuterStep, "outer")
+    outer_lr: float = option_of(OuterStep, "outer_lr")
+    outer_momentum: float = option_of(OuterStep, "outer_momentum")
+    outer_nesterov: bool = option_of(OuterStep, "outer_nesterov")
+    outer_optimizer: OuterFactory | None = option_of(OuterStep, "outer_optimizer")
     compression: Compression | str | None = option(
         None, "pseudo-gradients through a compressor spec NAME[:KEY=VALUE...], with its error "
         "feedback (topk, randomk, qsgd, powersgd, fp16); none: the exact float32 average")
     replica_size: int = option(1, "workers per replica: they all-reduce gradients every step, "
                                "and DiLoCo runs between the replicas")
     bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a replica")
-    warmup_steps: int = option(0, "rounds starting before this step last warmup_period steps "
-                               "and end with a plain average (synchronous warm-up), no outer "
-                               "step")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        outer_optimizer_class(self.outer)
-        for name in ("outer_lr", "outer_momentum"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if self.outer.lower() != "sgd" and (self.outer_momentum != 0.9
-                                            or self.outer_nesterov is not True):
-            raise ValueError(f"outer_momentum and outer_nesterov are SGD's; outer={self.outer!r} "
-                             "takes only outer_lr (or give outer_optimizer)")
-        if self.outer.lower() == "sgd" and self.outer_nesterov and self.outer_momentum == 0:
-            raise ValueError("outer_nesterov needs outer_momentum > 0")
-        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
-            raise ValueError(f"outer_optimizer must be a callable params -> optimizer, got "
-                             f"{self.outer_optimizer!r}")
+        QuadraticRule(self.period, self.alpha, self.power)  # its checks, also with alpha 0
+        self.schedule  # noqa: B018 - its checks name the options
+        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
+        check_choice("warmup", self.warmup, QSR_WARMUPS)
+        self.outer_step  # noqa: B018
         if self.compression is not None:
             compression = compression_argument(self.compression)
             if isinstance(compression, DGCCompression):
@@ -164,94 +158,30 @@ class DiLoCo(QSR):
                                  "momentum; use topk, randomk, qsgd, powersgd or fp16 for "
                                  "pseudo-gradients")
             object.__setattr__(self, "compression", compression)
-        check_int("replica_size", self.replica_size, 1)
-        if not (isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb)
-                and self.bucket_mb > 0):
-            raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        check_replicas(self.replica_size, self.bucket_mb)
 
-    def round_period(self, step: int, lr: float, previous_lr: float | None) -> int:
-        if self.alpha == 0:  # a constant period (and the warm-up's)
-            return LocalSGD.round_period(self, step, lr, previous_lr)
-        return super().round_period(step, lr, previous_lr)
+    @property
+    def schedule(self) -> RoundSchedule:
+        """How long each round lasts."""
+        rule: PeriodRule = ConstantPeriod(self.period) if self.alpha == 0 else QuadraticRule(
+            self.period, self.alpha, self.power, self.warmup == "rising_lr")
+        return RoundSchedule(rule, self.warmup_steps, self.warmup_period, cap_to_end=True)
+
+    @property
+    def outer_step(self) -> OuterStep:
+        """The outer optimizer that the ``outer*`` options name."""
+        return OuterStep.of(self)
+
+    def symmetric(self) -> bool:
+        return True  # the same all-reduces on every worker (and on every group)
 
     def validate(self, world_size: int) -> None:
-        if world_size % self.replica_size:
-            raise ValueError(f"replica_size={self.replica_size} does not divide the "
-                             f"{world_size} workers")
-
-    def make_outer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        """The outer optimizer over the global parameters."""
-        if self.outer_optimizer is not None:
-            outer = self.outer_optimizer(params)
-            if not isinstance(outer, torch.optim.Optimizer):
-                raise ValueError(f"outer_optimizer returned {type(outer).__name__}, not a "
-                                 "torch.optim.Optimizer")
-            return outer
-        cls = outer_optimizer_class(self.outer)
-        if cls is torch.optim.SGD:
-            return cls(params, lr=self.outer_lr, momentum=self.outer_momentum,
-                       nesterov=self.outer_nesterov)
-        return cls(params, lr=self.outer_lr)
+        check_replicas_divide(self.replica_size, world_size)
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> DiLoCoRuntime:
         self.validate(comm.world_size)
         return DiLoCoRuntime(self, comm, model, optimizer)
-
-
-def group_communicators(comm: Communicator, replica_size: int
-                        ) -> tuple[Communicator | None, Communicator]:
-    """(this worker's replica, or None for replicas of one; the workers of the same position
-    in every replica), for replicas of ``replica_size`` consecutive ranks."""
-    if replica_size == 1:
-        return None, comm
-    replica, position = divmod(comm.rank, replica_size)
-    members = list(range(replica * replica_size, (replica + 1) * replica_size))
-    across = [position + j * replica_size for j in range(comm.world_size // replica_size)]
-    return comm.group(members), comm.group(across)
-
-
-class OuterState:
-    """The global parameters and the outer optimizer: what DiLoCo's methods keep between
-    rounds, on every worker alike."""
-
-    def __init__(self, config: DiLoCo, params: Sequence[nn.Parameter]) -> None:
-        self.params = list(params)
-        self.global_params = [nn.Parameter(p.detach().clone()) for p in self.params]
-        self.optimizer = config.make_outer(self.global_params)
-
-    @torch.no_grad()
-    def pseudo_gradients(self, indices: Sequence[int]) -> list[torch.Tensor]:
-        """``global - local`` of the parameters ``indices``."""
-        return [self.global_params[i] - self.params[i] for i in indices]
-
-    @torch.no_grad()
-    def step(self, indices: Sequence[int], averaged: Sequence[torch.Tensor]) -> None:
-        """One outer step of the parameters ``indices`` with their averaged pseudo-gradients;
-        the others keep their global value and their outer state."""
-        for i, delta in zip(indices, averaged, strict=True):
-            self.global_params[i].grad = delta.view_as(self.global_params[i]).to(
-                self.global_params[i].dtype)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def warm_up(self, comm: Communicator) -> None:
-        """A warm-up round's end: the replicas averaged exactly, the global parameters set to
-        the average; the outer optimizer does not step."""
-        apply_flat(self.params, lambda buffer: comm.all_reduce(buffer, op="mean"))
-        for p, g in zip(self.params, self.global_params, strict=True):
-            g.copy_(p)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"global": [p.detach().clone() for p in self.global_params],
-                "outer": self.optimizer.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for p, saved in zip(self.global_params, state["global"], strict=True):
-            p.copy_(saved)
-        self.optimizer.load_state_dict(state["outer"])
 
 
 class DiLoCoRuntime(LocalSGDRuntime):
@@ -263,7 +193,7 @@ class DiLoCoRuntime(LocalSGDRuntime):
         self.config: DiLoCo = config
         self.trained = [p for p in model.parameters() if p.requires_grad]
         self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.outer = OuterState(config, self.trained)
+        self.outer = OuterState(config.outer_step, self.trained)
         self._connect(comm)
 
     def _connect(self, comm: Communicator) -> None:
@@ -277,10 +207,16 @@ class DiLoCoRuntime(LocalSGDRuntime):
             self.inner = AllReduce(bucket_mb=config.bucket_mb).bind(self.group, self.model,
                                                                     self.optimizer)
         self.reducer: CompressedReducer | None = None
-        if isinstance(config.compression, Compression):
-            compressor, memory = config.compression.build(self.across.world_size)
+        compression = self._compression()
+        if compression is not None:
+            compressor, memory = compression.build(self.across.world_size)
             self.reducer = CompressedReducer(self.across, compressor, memory,
                                              bucket_bytes=int(config.bucket_mb * 2**20))
+
+    def _compression(self) -> Compression | None:
+        """What the pseudo-gradients travel through (None: the exact average)."""
+        compression = self.config.compression
+        return compression if isinstance(compression, Compression) else None
 
     def start(self, **kwargs: Any) -> None:
         super().start(**kwargs)

@@ -37,22 +37,19 @@ Example::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime, average_tensors
-from gossamer.checks import check_int
+from gossamer.algorithms.rounds import QSR_WARMUPS, ConstantPeriod, QuadraticRule, RoundSchedule
+from gossamer.checks import check_choice, check_int
 from gossamer.comm.base import Communicator
 from gossamer.options import option
 from gossamer.patterns.nonfinite import all_finite
-
-#: QSR's warm-up rules: keyed on ``warmup_steps`` (the QSR code) or on a rising learning rate
-QSR_WARMUPS = ("steps", "rising_lr")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,12 +72,13 @@ class LocalSGD(Algorithm):
             and average them over the workers (default 8; 0: never). The runtime needs
             training inputs for it: ``gossamer train`` gives them (``training_inputs``).
         average_at_end: exact average after the last step (default True).
+
+    The rounds' lengths are :attr:`schedule`'s, a :class:`~gossamer.algorithms.rounds.
+    RoundSchedule` of a constant period.
     """
 
     name: ClassVar[str] = "localsgd"
     continues_after_failure: ClassVar[bool] = True
-    #: cap each period by the steps left, so that the last step averages (QSR does)
-    cap_to_end: ClassVar[bool] = False
 
     period: int = option(4,
                          "H_base; higher: fewer averages, fewer bytes, more drift between replicas")
@@ -92,15 +90,13 @@ class LocalSGD(Algorithm):
     average_at_end: bool = option(True, "all replicas equal after the last step")
 
     def __post_init__(self) -> None:
-        check_int("period", self.period, 1)
-        check_int("warmup_steps", self.warmup_steps, 0)
-        check_int("warmup_period", self.warmup_period, 1)
+        self.schedule  # noqa: B018 - its checks name the options
         check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
 
-    def round_period(self, step: int, lr: float, previous_lr: float | None) -> int:
-        """H of the round that starts at ``step`` (0-based), whose first step has learning
-        rate ``lr``; ``previous_lr``: that of the previous round's first step (None: first)."""
-        return self.warmup_period if step < self.warmup_steps else self.period
+    @property
+    def schedule(self) -> RoundSchedule:
+        """How long each round lasts."""
+        return RoundSchedule(ConstantPeriod(self.period), self.warmup_steps, self.warmup_period)
 
     def symmetric(self) -> bool:
         return True  # the same all-reduces on every worker (and on every group)
@@ -115,6 +111,9 @@ class QSR(LocalSGD):
     """Local SGD whose period follows the Quadratic Synchronization Rule: a round starting
     at a step with learning rate ``lr`` lasts ``H = max(period, floor((alpha / lr) ** power))``.
 
+    The rule is a :class:`~gossamer.algorithms.rounds.QuadraticRule`; rounds are capped by
+    the steps left, so that the last step averages.
+
     Args:
         period: H_base, the smallest period (default 2).
         alpha: the rule's scale (default 0.01): H exceeds H_base once lr < alpha / H_base^(1/power).
@@ -128,7 +127,6 @@ class QSR(LocalSGD):
     """
 
     name: ClassVar[str] = "qsr"
-    cap_to_end: ClassVar[bool] = True
 
     period: int = option(2, "H_base, the shortest period; higher: fewer averages")
     alpha: float = option(0.01, "higher: longer periods at the same learning rate")
@@ -138,34 +136,38 @@ class QSR(LocalSGD):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)
-                and self.alpha >= 0):
-            raise ValueError(f"alpha must be a number >= 0, got {self.alpha!r}")
-        if not (isinstance(self.power, (int, float)) and math.isfinite(self.power)
-                and self.power > 0):
-            raise ValueError(f"power must be a number > 0, got {self.power!r}")
-        if self.warmup not in QSR_WARMUPS:
-            raise ValueError(f"warmup must be one of {', '.join(QSR_WARMUPS)}, "
-                             f"got {self.warmup!r}")
+        check_choice("warmup", self.warmup, QSR_WARMUPS)
 
-    def round_period(self, step: int, lr: float, previous_lr: float | None) -> int:
-        if step < self.warmup_steps:
-            return self.warmup_period
-        if self.warmup == "rising_lr" and (previous_lr is None or lr > previous_lr):
-            # a learning-rate warm-up's small early rates would give one huge period
-            return self.period
-        if lr <= 0:
-            raise ValueError(f"QSR needs a positive learning rate, got lr={lr} at step {step}")
-        return max(self.period, math.floor((self.alpha / lr) ** self.power))
+    @property
+    def schedule(self) -> RoundSchedule:
+        rule = QuadraticRule(self.period, self.alpha, self.power, self.warmup == "rising_lr")
+        return RoundSchedule(rule, self.warmup_steps, self.warmup_period, cap_to_end=True)
+
+
+class RoundsConfig(Protocol):
+    """What :class:`LocalSGDRuntime` reads of its configuration (LocalSGD's, QSR's, DiLoCo's
+    and Streaming DiLoCo's)."""
+
+    @property
+    def schedule(self) -> RoundSchedule: ...
+    @property
+    def average_optimizer_state(self) -> bool: ...
+    @property
+    def average_buffers(self) -> bool: ...
+    @property
+    def reestimate_batchnorm(self) -> int: ...
+    @property
+    def average_at_end(self) -> bool: ...
 
 
 class LocalSGDRuntime(Runtime):
     """One worker of local SGD and the state of its averaging schedule."""
 
-    def __init__(self, config: LocalSGD, comm: Communicator, model: nn.Module,
+    def __init__(self, config: RoundsConfig, comm: Communicator, model: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
         super().__init__(comm, model, optimizer)
         self.config = config
+        self.schedule = config.schedule
         # internal state
         self.next_average: int | None = None  # the current round's last step; None: none yet
         self.current_period = 0  # H of the current round
@@ -189,11 +191,8 @@ class LocalSGDRuntime(Runtime):
 
     def _start_round(self, step: int) -> None:
         lr = float(self.optimizer.param_groups[0]["lr"])
-        period = self.config.round_period(step, lr, self.last_lr)
+        period = self.schedule.period(step, lr, self.last_lr, self._steps_left())
         self.last_lr = lr
-        left = self._steps_left()
-        if self.config.cap_to_end and left is not None and left > 0:
-            period = min(period, left)  # so that the last step averages
         self.current_period = period
         self.next_average = step + period - 1
         self.periods.append((step, period))
@@ -285,17 +284,15 @@ class LocalSGDRuntime(Runtime):
         self.periods = [(int(a), int(b)) for a, b in state["periods"]]
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
+                            params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The floating-point tensors of the optimizer's per-parameter state (momentum buffers,
-    Adam's moments), in parameter order; step counters and other scalars are left out."""
-    tensors = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for value in optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.is_floating_point() \
-                        and value.dim() > 0:
-                    tensors.append(value)
-    return tensors
+    Adam's moments) of ``params`` (default: all of its parameters), in their order; step
+    counters and other scalars are left out."""
+    if params is None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+    return [value for p in params for value in optimizer.state.get(p, {}).values()
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0]
 
 
 def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:

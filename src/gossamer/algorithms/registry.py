@@ -11,16 +11,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from gossamer.algorithms.base import Algorithm
+from gossamer.algorithms.compressed import CompressionPreset
 from gossamer.options import converted, describe_options
 
 if TYPE_CHECKING:
     from gossamer.compress.registry import Compression
 
-_REGISTRY: dict[str, type[Algorithm]] = {}
+#: a method's configuration class, or a preset of another method's (``dgc``: allreduce with
+#: DGC's compressor)
+Entry = type[Algorithm] | CompressionPreset
+
+_REGISTRY: dict[str, Entry] = {}
 
 
-def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
+def register(cls: Entry) -> Entry:
+    """Class decorator: make ``cls`` (or a preset) available under ``cls.name``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"algorithm name {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls
@@ -32,8 +37,9 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def lookup(name: str) -> type[Algorithm]:
-    """The configuration class of ``name``; ValueError listing the known names otherwise."""
+def lookup(name: str) -> Entry:
+    """The configuration class (or preset) of ``name``; ValueError listing the known names
+    otherwise."""
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -50,13 +56,29 @@ def create(name: str, options: Mapping[str, Any] | None = None) -> Algorithm:
         create("allreduce", {"bucket_mb": "10"})  # AllReduce(bucket_mb=10.0)
     """
     cls = lookup(name)
+    if isinstance(cls, CompressionPreset):
+        return cls.create(options or {})
     return cls(**converted(cls, options or {}, owner=f"algorithm {name!r}",
-                           renamed=cls.renamed_options))
+                           renamed=cls.renamed_options, retired=cls.retired_options))
 
 
 def describe(name: str) -> list[tuple[str, str, Any]]:
     """(option, type, default) for each option of ``name``, for help texts."""
-    return [(option, tp, default) for option, tp, default, _ in describe_options(lookup(name))]
+    return [(option, tp, default) for option, tp, default, _ in describe_help(name)]
+
+
+def describe_help(name: str) -> list[tuple[str, str, Any, str]]:
+    """(option, type, default, help) for each option of ``name``."""
+    cls = lookup(name)
+    return cls.describe() if isinstance(cls, CompressionPreset) else describe_options(cls)
+
+
+def summary(name: str) -> str:
+    """The first paragraph of the description of ``name``, on one line."""
+    cls = lookup(name)
+    text = cls.doc if isinstance(cls, CompressionPreset) else (cls.__doc__ or "")
+    paragraph = text.strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines())
 
 
 def with_compression(algorithm: Algorithm,
@@ -83,8 +105,7 @@ def with_compression(algorithm: Algorithm,
                      f"the methods that do: {', '.join(takers)}")
 
 
-def _takes_compression(cls: type[Algorithm]) -> bool:
-    if not cls.takes_compression:  # a field it inherits but refuses
-        return False
-    return dataclasses.is_dataclass(cls) and any(
+def _takes_compression(cls: Entry) -> bool:
+    """Whether ``cls`` has a ``compression`` option (a preset has its compressor already)."""
+    return isinstance(cls, type) and dataclasses.is_dataclass(cls) and any(
         f.name == "compression" and f.init for f in dataclasses.fields(cls))

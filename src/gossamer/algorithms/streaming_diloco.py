@@ -29,34 +29,14 @@ fragment per worker, at the precision's width. It starts at once and progresses 
 runtime's hooks that finds the first exchange arrived, so on real processes the messages travel
 while the workers compute; the wait comes ``tau`` steps later.
 
-What gossamer adds to the paper:
-
-- **Error feedback** of the quantisation: each worker keeps the error it made encoding its
-  pseudo-gradient of a fragment (and, in int8 or int4, the owner of a chunk the error of the
-  mean it sends) and adds it to what it next encodes of that fragment.
-- **Uniform int4**: symmetric integers with one max-abs float32 scale per chunk
-  (:mod:`gossamer.compress.lowbit`), where the paper uses the E3M0 4-bit float; also int8,
-  bfloat16 and float32.
-- **A synchronous warm-up** (``warmup_steps``): a plain exact average after each step before
-  it; the fragments' schedule starts after it.
-- **The final average** (``average_at_end``): after the last step the exchange in flight is
-  taken in (its outer step and merge); then each fragment with inner steps since its last
-  synchronisation takes one exact outer step (unquantised, mixing 0), and a fragment
-  synchronised at the last step takes none: with ``mixing`` > 0 its replicas, which differ by
-  the local share each kept, become their exact average. Every replica ends the same.
-- **DiLoCo's options**: ``replica_size``; ``average_buffers`` (the floating-point buffers,
-  averaged exactly at every fragment's synchronisation) and ``average_optimizer_state`` (the
-  inner optimizer's state of a fragment's parameters, averaged exactly at its
-  synchronisation).
-- **Checkpoints mid-exchange**: the runtime's state holds the exchange in flight (the vector
-  each worker sent, and its errors as they were before); a runtime that loads it sends the
-  same payloads again at once (uncounted), so a resumed run is the uninterrupted one.
-
-Under ``on_failure="continue"`` the members drop the exchange in flight (each one's
-quantisation error goes back to what it was before it), take rank 0's global parameters and
-outer optimizer, and make one exact outer step of every fragment over the new members; the
-schedule goes on from the step (see :meth:`StreamingDiLoCoRuntime.change_membership`; a
-restarted worker that rejoins: :meth:`StreamingDiLoCoRuntime.rejoin`).
+What gossamer adds to the paper (docs/algorithms.md says each in full): error feedback of the
+quantisation; uniform int4 (one max-abs scale per chunk, where the paper uses E3M0 floats), and
+int8, bfloat16, float32; a synchronous warm-up (``warmup_steps``); a final average that leaves
+every replica the same (``average_at_end``); DiLoCo's ``replica_size``, ``average_buffers``
+and ``average_optimizer_state``; checkpoints mid-exchange (the exchange in flight starts again
+with the same payloads, so a resumed run is the uninterrupted one); and going on without a
+failed worker (``on_failure="continue"``: :meth:`StreamingDiLoCoRuntime.change_membership`,
+:meth:`StreamingDiLoCoRuntime.rejoin`).
 
 Example::
 
@@ -67,31 +47,36 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from gossamer.algorithms.base import average_tensors
-from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
-from gossamer.checks import check_int
-from gossamer.comm.base import Communicator, CommunicatorBase
-from gossamer.comm.buckets import apply_flat
-from gossamer.comm.state import broadcast_object
-from gossamer.compress.lowbit import PRECISIONS, LowBit
-from gossamer.options import option
-from gossamer.patterns.fragments import split_fragments
+from gossamer.algorithms.base import Algorithm
+from gossamer.algorithms.diloco import DiLoCo
+from gossamer.algorithms.local_sgd import LocalSGD
+from gossamer.algorithms.outer import (
+    OuterFactory,
+    OuterStep,
+    check_replicas,
+    check_replicas_divide,
+)
+from gossamer.algorithms.rounds import ConstantPeriod, RoundSchedule
+from gossamer.algorithms.streaming_fragments import FragmentRuntime
+from gossamer.checks import check_choice, check_int
+from gossamer.comm.base import Communicator
+from gossamer.compress.lowbit import PRECISIONS
+from gossamer.options import ANY_VALUE, option, option_of
 from gossamer.patterns.nonfinite import all_finite
-from gossamer.patterns.scattered import ScatteredMean
 
 PATTERNS = ("strided", "sequential")
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamingDiLoCo(DiLoCo):
+class StreamingDiLoCo(Algorithm):
     """Streaming DiLoCo (Douillard et al. 2025): DiLoCo in P fragments synchronised at
     staggered steps, each exchange overlapping ``tau`` inner steps, in low precision.
 
@@ -120,17 +105,41 @@ class StreamingDiLoCo(DiLoCo):
         average_buffers, average_optimizer_state: the floating-point buffers, and the inner
             optimizer's state of a fragment's parameters, averaged exactly at each fragment's
             synchronisation (default False).
-        (the outer optimizer, ``replica_size`` and the other options of :class:`DiLoCo`; the
-        period is constant: ``alpha``, ``warmup_period`` and ``compression`` are not taken.)
+        reestimate_batchnorm: as :class:`~gossamer.algorithms.LocalSGD`'s.
+        outer, outer_lr, outer_momentum, outer_nesterov, outer_optimizer, replica_size,
+            bucket_mb: as :class:`DiLoCo`'s (the outer step:
+            :class:`~gossamer.algorithms.outer.OuterStep`).
+
+    DiLoCo's ``alpha``, ``power``, ``warmup``, ``warmup_period`` and ``compression`` are not
+    options of this method (a constant period, its own precision); files written when it
+    accepted them at their defaults still load, with a note.
     """
 
     name: ClassVar[str] = "streaming-diloco"
     continues_after_failure: ClassVar[bool] = True
-    #: its pseudo-gradients travel in ``precision``, not through a compressor
-    takes_compression: ClassVar[bool] = False
+    renamed_options: ClassVar[Mapping[str, str]] = DiLoCo.renamed_options
+    retired_options: ClassVar[Mapping[str, tuple[Any, str]]] = MappingProxyType({
+        "alpha": (0.0, "a constant period; use diloco for QSR"),
+        "warmup_period": (1, "the warm-up averages every step"),
+        "compression": (None, "its pseudo-gradients travel in precision"),
+        "power": (ANY_VALUE, "a constant period: QSR's exponent had no effect"),
+        "warmup": (ANY_VALUE, "a constant period: QSR's warm-up rule had no effect")})
 
     period: int = option(16, "H: steps between two synchronisations of a fragment; a multiple "
                          "of fragments")
+    warmup_steps: int = option(0, "a plain exact average after each step before this one "
+                               "(synchronous warm-up); the fragments' schedule starts after it")
+    average_optimizer_state: bool = option_of(LocalSGD, "average_optimizer_state")
+    average_buffers: bool = option_of(LocalSGD, "average_buffers")
+    reestimate_batchnorm: int = option_of(LocalSGD, "reestimate_batchnorm")
+    average_at_end: bool = option_of(LocalSGD, "average_at_end")
+    outer: str = option_of(OuterStep, "outer")
+    outer_lr: float = option_of(OuterStep, "outer_lr")
+    outer_momentum: float = option_of(OuterStep, "outer_momentum")
+    outer_nesterov: bool = option_of(OuterStep, "outer_nesterov")
+    outer_optimizer: OuterFactory | None = option_of(OuterStep, "outer_optimizer")
+    replica_size: int = option_of(DiLoCo, "replica_size")
+    bucket_mb: float = option_of(DiLoCo, "bucket_mb")
     fragments: int = option(4, "P: fragments, synchronised one after another every H / P "
                             "steps")
     pattern: str = option("strided", "strided: block i of the model in fragment i mod P; "
@@ -142,7 +151,10 @@ class StreamingDiLoCo(DiLoCo):
                             "int4 (error feedback)")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        self.schedule  # noqa: B018 - its checks name the options
+        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
+        self.outer_step  # noqa: B018
+        check_replicas(self.replica_size, self.bucket_mb)
         check_int("fragments", self.fragments, 1)
         check_int("tau", self.tau, 0)
         if self.period % self.fragments:
@@ -152,21 +164,25 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"tau={self.tau} must be less than period / fragments = "
                              f"{self.period // self.fragments}: a fragment's exchange must end "
                              "before the next one starts")
-        if self.pattern not in PATTERNS:
-            raise ValueError(f"pattern must be one of {', '.join(PATTERNS)}, "
-                             f"got {self.pattern!r}")
+        check_choice("pattern", self.pattern, PATTERNS)
         if not (isinstance(self.mixing, (int, float)) and not isinstance(self.mixing, bool)
                 and 0 <= self.mixing <= 1):
             raise ValueError(f"mixing must be a number in [0, 1], got {self.mixing!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
-                             f"got {self.precision!r}")
-        for name, value, default in (("alpha", self.alpha, 0.0),
-                                     ("warmup_period", self.warmup_period, 1),
-                                     ("compression", self.compression, None)):
-            if value != default:
-                raise ValueError(f"{name}={value!r} is not taken by streaming-diloco (a "
-                                 "constant period, its own precision); use diloco")
+        check_choice("precision", self.precision, PRECISIONS)
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """Each fragment's rounds: H steps after a warm-up of rounds of one step (the runtime
+        staggers the fragments)."""
+        return RoundSchedule(ConstantPeriod(self.period), self.warmup_steps, 1, cap_to_end=True)
+
+    @property
+    def outer_step(self) -> OuterStep:
+        """The outer optimizer that the ``outer*`` options name."""
+        return OuterStep.of(self)
+
+    def validate(self, world_size: int) -> None:
+        check_replicas_divide(self.replica_size, world_size)
 
     def symmetric(self) -> bool:
         # every rank sends its all-to-all by offset (ScatteredMean): a rotation of rank 0's
@@ -178,47 +194,12 @@ class StreamingDiLoCo(DiLoCo):
         return StreamingDiLoCoRuntime(self, comm, model, optimizer)
 
 
-@dataclass
-class Exchange:
-    """A fragment's exchange in flight on this worker, with what starting it again needs."""
+class StreamingDiLoCoRuntime(FragmentRuntime):
+    """One worker of Streaming DiLoCo: the fragments' staggered schedule, each exchange
+    started ``tau`` steps before its outer step (:class:`FragmentRuntime` holds the
+    fragments, the exchange in flight and the errors)."""
 
-    fragment: int
-    vector: torch.Tensor  # this worker's pseudo-gradient of the fragment, as it was sent
-    sent_before: torch.Tensor | None  # its errors of the fragment before the exchange
-    mean_before: torch.Tensor | None
-    mean: ScatteredMean | None = None  # None: not started here (loaded from a state)
-    #: its first messages were sent, and counted, before a checkpoint: sent again uncounted
-    counted: bool = False
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer,
-                     params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The floating-point tensors of ``optimizer``'s state of ``params`` (momentum buffers,
-    Adam's moments; not step counters), in their order."""
-    return [value for p in params for value in optimizer.state.get(p, {}).values()
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0]
-
-
-class StreamingDiLoCoRuntime(DiLoCoRuntime):
-    """One worker of Streaming DiLoCo: its fragments, the exchange in flight, the errors."""
-
-    def __init__(self, config: StreamingDiLoCo, comm: Communicator, model: nn.Module,
-                 optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(config, comm, model, optimizer)
-        self.config: StreamingDiLoCo = config
-        sizes = [p.numel() for p in self.trained]
-        self.fragment_indices = split_fragments(self.names, sizes, config.fragments,
-                                                config.pattern)
-        #: elements of each fragment: the largest is the peak of an exchange
-        self.fragment_sizes = [sum(sizes[i] for i in f) for f in self.fragment_indices]
-        self.codec = LowBit(config.precision)
-        self.residuals: dict[Any, torch.Tensor] = {}  # this worker's encoding errors
-        self.in_flight: Exchange | None = None
-        # each fragment's last synchronisation: the steps done then, and whether each worker
-        # kept a local share of it (mixing > 0), so that the replicas differ
-        self.synced_after = [0] * config.fragments
-        self.kept_local = [False] * config.fragments
-        self.fragment_syncs = [0] * config.fragments  # statistics: outer steps per fragment
+    config: StreamingDiLoCo
 
     def _schedule(self, step: int) -> tuple[int, int]:
         """(fragment, position in its slot) of 0-based ``step``: a slot of H / P steps ends
@@ -234,8 +215,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         self._progress()
 
     def _progress(self) -> None:
-        if self.in_flight is not None:
-            self._started().progress()
+        self.means.progress(self.across)
 
     @torch.no_grad()
     def after_step(self) -> None:
@@ -262,43 +242,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         if not all_finite([self.trained[i] for i in indices]):
             raise self.nonfinite_error("parameters")
         deltas = self.outer.pseudo_gradients(indices)
-        self.in_flight = Exchange(fragment, torch.cat([d.reshape(-1) for d in deltas]),
-                                  self.residuals.get((fragment, "sent")),
-                                  self.residuals.get((fragment, "mean")))
-        try:
-            self._started()
-        except BaseException:  # (a send that failed at once: nothing of it is in flight)
-            self._drop_exchange()
-            raise
-
-    def _started(self) -> ScatteredMean:
-        """The exchange in flight, started now if it was not (loaded from a state): this
-        worker's errors of the fragment as they were before it, the same vector, so the same
-        payloads as the first time and the same mean."""
-        exchange = self.in_flight
-        assert exchange is not None
-        if exchange.mean is None:
-            fragment = exchange.fragment
-            self._restore_errors(exchange)
-            again = exchange.counted and isinstance(self.across, CommunicatorBase)
-            with self.across.uncounted() if again else contextlib.nullcontext():
-                exchange.mean = ScatteredMean(self.across, exchange.vector, self.codec,
-                                              self.residuals, fragment)
-        return exchange.mean
-
-    def _restore_errors(self, exchange: Exchange) -> None:
-        for kind, before in (("sent", exchange.sent_before), ("mean", exchange.mean_before)):
-            if before is None:
-                self.residuals.pop((exchange.fragment, kind), None)
-            else:
-                self.residuals[(exchange.fragment, kind)] = before
-
-    def _drop_exchange(self) -> None:
-        """Forget the exchange in flight, never waited on: this worker's errors of the
-        fragment go back to what they were before it (what it sent will never be applied)."""
-        if self.in_flight is not None:
-            self._restore_errors(self.in_flight)
-            self.in_flight = None
+        self.means.start(self.across, fragment, torch.cat([d.reshape(-1) for d in deltas]))
 
     def _perform(self, fragment: int, done: int) -> None:
         """Take in the fragment's exchange: its outer step and merge, after ``done`` steps."""
@@ -307,8 +251,7 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
             # fragment at once since), or an empty fragment: nothing to synchronise here
             return
         assert self.in_flight.fragment == fragment
-        mean = self._started().wait()
-        self.in_flight = None
+        mean = self.means.take(self.across)
         indices = self.fragment_indices[fragment]
         sizes = [self.trained[i].numel() for i in indices]
         self._outer_step(indices, torch.split(mean, sizes), self.config.mixing)
@@ -317,32 +260,6 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         self.fragment_syncs[fragment] += 1
         self.synchronizations += 1
         self.last_averaged = self.step
-
-    def _outer_step(self, indices: Sequence[int], averaged: Sequence[torch.Tensor],
-                    mixing: float) -> None:
-        """The outer step of the parameters ``indices`` with their averaged pseudo-gradients,
-        then each local value becomes ``mixing * local + (1 - mixing) * global``."""
-        self.outer.step(indices, averaged)
-        for i in indices:
-            local, global_ = self.trained[i], self.outer.global_params[i]
-            local.copy_(global_.detach().lerp(local, mixing))
-
-    def _average_options(self, indices: Sequence[int]) -> None:
-        """What the options average exactly at a synchronisation of the parameters
-        ``indices``: every floating-point buffer (``average_buffers``) and the inner
-        optimizer's state of those parameters (``average_optimizer_state``). Collective."""
-        tensors = []
-        if self.config.average_buffers:
-            tensors += [b for b in self.model.buffers() if torch.is_floating_point(b)]
-        if self.config.average_optimizer_state:
-            tensors += _optimizer_state(self.optimizer, [self.trained[i] for i in indices])
-        if tensors:
-            average_tensors(self.comm, tensors)
-
-    def _synced(self, fragments: Iterable[int], done: int, kept_local: bool) -> None:
-        for fragment in fragments:
-            self.synced_after[fragment] = done
-            self.kept_local[fragment] = kept_local
 
     @torch.no_grad()
     def settle(self) -> None:
@@ -357,173 +274,3 @@ class StreamingDiLoCoRuntime(DiLoCoRuntime):
         self.settle()
         if self.config.average_at_end:
             self.average_parameters()
-
-    def _replicas_equal(self) -> bool:
-        """Not known from the last synchronisation: a fragment's leaves the others as they
-        are (an evaluation's re-estimation averages the parameters first)."""
-        return False
-
-    @torch.no_grad()
-    def average_parameters(self) -> None:
-        """Every replica the same, as the fragments' schedule would have it: after the last
-        step, and before restarted workers join. Collective.
-
-        The exchange in flight is taken in first. Then each fragment with inner steps since
-        its last synchronisation takes one outer step, exact (unquantised, mixing 0: every
-        worker holds its global value), and a fragment synchronised since the last inner step
-        takes none (an outer step on a pseudo-gradient of zero would still move it by the outer
-        momentum); where each worker kept a local share of it (``mixing`` > 0), the replicas
-        become their exact average. One all-reduce for both; nothing where nothing differs."""
-        self.settle()
-        done, fragments = self.step, range(self.config.fragments)
-        due = [p for p in fragments if self.synced_after[p] < done]
-        mixed = [p for p in fragments if p not in due and self.kept_local[p]]
-        stepped = [i for p in due for i in self.fragment_indices[p]]
-        merged = [i for p in mixed for i in self.fragment_indices[p]]
-        if stepped or merged:
-            self._exact(stepped, merged)
-            self.synchronizations += 1
-            self.last_averaged = self.step
-        self._synced(due + mixed, done, kept_local=False)
-
-    def _exact(self, stepped: Sequence[int], merged: Sequence[int]) -> None:
-        """An outer step of the parameters ``stepped`` with their exact mean pseudo-gradient
-        (mixing 0), the replicas of ``merged`` set to their exact mean, in one all-reduce;
-        then what the options average for ``stepped``. Collective."""
-        if not all_finite([self.trained[i] for i in [*stepped, *merged]]):
-            raise self.nonfinite_error("parameters")
-        deltas = self.outer.pseudo_gradients(stepped)
-        apply_flat(deltas + [self.trained[i].data for i in merged],
-                   lambda buffer: self.across.all_reduce(buffer, op="mean"))
-        if deltas:
-            self._outer_step(stepped, deltas, 0.0)
-        self._average_options(stepped)
-
-    def _keep_own_errors(self) -> None:
-        """Of this worker's errors, those of its own pseudo-gradients, without the old size's
-        padding; those of the means it owned (chunks of the old ranks) are dropped."""
-        kept = {}
-        for (fragment, kind), error in self.residuals.items():
-            size = self.fragment_sizes[fragment]
-            if kind == "sent" and error.numel() >= size:
-                kept[(fragment, kind)] = error[:size].clone()
-        self.residuals = kept
-
-    @torch.no_grad()
-    def change_membership(self, comm: Communicator, algorithm: Any) -> None:
-        """Go on over the members of ``comm`` (``on_failure="continue"``; ``replica_size``
-        must divide their number).
-
-        1. The fragment's exchange in flight is dropped, never waited on: its messages
-           travel over the old communicator, whose members are no longer those that must
-           answer. Each member's quantisation errors of that fragment go back to what they
-           were before the exchange (what it sent will never be applied), and the errors of
-           the means each member kept for its chunk (chunks of the old ranks) are dropped;
-           the errors of its own pseudo-gradients are kept, without the old size's padding.
-        2. The groups are rebuilt for the new members, and the global parameters and the
-           outer optimizer's state of the member of rank 0 are sent to every member (a
-           failure in the middle of an exchange may have let some members take in a
-           fragment's outer step that the others did not).
-        3. An outer step of every fragment at once over the members, exact (unquantised,
-           ``mixing`` 0): each fragment's pseudo-gradient since its last synchronisation
-           reaches the global parameters as it would have at its own synchronisation, and
-           every member continues from the same global parameters. During the warm-up
-           (``warmup_steps``): a plain exact average.
-
-        The fragments' schedule goes on from the step: a fragment whose exchange was dropped
-        is not synchronised at its scheduled end (the outer step above took it in); the next
-        starts at its usual step. The dead worker's share of the dropped exchange is lost.
-        """
-        self._drop_exchange()
-        self._keep_own_errors()
-        self._reconnect(comm, algorithm)
-        self._share_outer(comm)
-        if self.step < self.config.warmup_steps:
-            if not all_finite(self.trained):
-                raise self.nonfinite_error("parameters")
-            self.outer.warm_up(self.across)
-            self._average_options(range(len(self.trained)))
-        else:
-            self._exact(range(len(self.trained)), [])
-        self._synced(range(self.config.fragments), self.step, kept_local=False)
-        self.synchronizations += 1
-        self.last_averaged = self.step - 1
-
-    @torch.no_grad()
-    def rejoin(self, comm: Communicator, algorithm: Any) -> None:
-        """Go on over ``comm`` once restarted workers joined the members: as
-        :meth:`change_membership` without its outer step and without sharing the outer state.
-
-        Every worker holds one state already: the members took in the exchange in flight and
-        made every replica the same (:meth:`settle`, :meth:`average_parameters`), then one of
-        them gave its state to every worker. A second outer step, on a pseudo-gradient of
-        zero, would still move the parameters by the outer momentum. So only what depends on
-        the ranks is rebuilt: the groups, and each member's errors (those of its own
-        pseudo-gradients kept, those of the means of old chunks dropped). A worker that
-        rejoins received a member's state without its errors (:meth:`load_state_dict`): it
-        starts with none."""
-        self._drop_exchange()  # (none: the members settled before sharing their state)
-        self._keep_own_errors()
-        self._reconnect(comm, algorithm)
-        self.last_averaged = self.step - 1
-
-    def _share_outer(self, comm: Communicator) -> None:
-        """The global parameters and the outer optimizer's state of the member of rank 0,
-        on every member (a fragment never synchronised has no outer state yet).
-        Collective."""
-        state = broadcast_object(comm, 0, self.outer.state_dict() if comm.rank == 0 else None)
-        if comm.rank != 0:
-            self.outer.load_state_dict(state)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Also the exchange in flight, if any: its fragment, the vector this worker sent and
-        its errors of the fragment as they were before (see :meth:`load_state_dict`)."""
-        state = {**super().state_dict(), "fragment_syncs": list(self.fragment_syncs),
-                 "synced_after": list(self.synced_after), "kept_local": list(self.kept_local),
-                 "residuals": [[list(k), v.clone()] for k, v in sorted(
-                     self.residuals.items(), key=lambda item: repr(item[0]))],
-                 # whose errors these are: a worker's rank and the number of workers, and
-                 # the fragments they are of
-                 "residuals_of": [self.comm.rank, self.comm.world_size],
-                 "fragment_sizes": list(self.fragment_sizes)}
-        if self.in_flight is not None:
-            exchange = self.in_flight
-            state["in_flight"] = {"fragment": exchange.fragment,
-                                  "vector": exchange.vector.clone()}
-            for key, before in (("sent_before", exchange.sent_before),
-                                ("mean_before", exchange.mean_before)):
-                if before is not None:
-                    state["in_flight"][key] = before.clone()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Also each worker's quantisation errors and its exchange in flight, when the state
-        is its own (saved at the same rank of as many workers, with the same fragments): a
-        worker that rejoins receives a member's state, and starts with no errors of its own
-        instead of that member's. An exchange in flight starts again at once, before the next
-        step's compute, with the same payloads, uncounted (they were counted before the
-        checkpoint): every worker must load its own state (a resumed run, collective), and
-        the run goes on as the one that saved it."""
-        super().load_state_dict(state)
-        count = self.config.fragments
-        self.fragment_syncs = [int(x) for x in state["fragment_syncs"]]
-        # (a state of an earlier version: every fragment takes an outer step at the end)
-        self.synced_after = [int(x) for x in state.get("synced_after", [-1] * count)]
-        self.kept_local = [bool(x) for x in state.get("kept_local", [False] * count)]
-        owner = state.get("residuals_of")
-        own = (owner is None or [int(x) for x in owner] == [self.comm.rank,
-                                                            self.comm.world_size]) \
-            and [int(x) for x in state.get("fragment_sizes", [])] == self.fragment_sizes
-        self.residuals = ({(int(k[0]), str(k[1])): v.clone() for k, v in state["residuals"]}
-                          if own else {})
-        self.in_flight = None
-        saved = state.get("in_flight")
-        if saved is not None and own:
-            def before(key: str) -> torch.Tensor | None:
-                return saved[key].clone() if saved.get(key) is not None else None
-
-            self.in_flight = Exchange(int(saved["fragment"]), saved["vector"].clone(),
-                                      before("sent_before"), before("mean_before"),
-                                      counted=True)
-            # sent again now, as the run that saved it had sent it before its next step
-            self._started()

@@ -37,7 +37,7 @@ from gossamer.compress.memory import ErrorFeedback
 from gossamer.compress.powersgd import PowerSGD
 from gossamer.compress.qsgd import QSGD
 from gossamer.compress.sparse import RandomK, TopK
-from gossamer.options import converted, option
+from gossamer.options import converted, option, option_of
 
 __all__ = [
     "Compression",
@@ -57,13 +57,6 @@ __all__ = [
 _REGISTRY: dict[str, type[Compression]] = {}
 
 C = TypeVar("C", bound=type["Compression"])
-
-
-def option_of(cls: type, name: str) -> Any:
-    """A dataclass field with the default and help of the field ``name`` of the dataclass
-    ``cls``: an option declared where it is implemented, offered again elsewhere."""
-    source = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return option(source.default, source.metadata.get("help", ""))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,8 @@
 """The mean of a vector over the workers as a reduce-scatter and an all-gather made of
 point-to-point exchanges, optionally in low precision with error feedback, started at once and
-advanced without blocking (Streaming DiLoCo's outer average, overlapping inner steps).
+advanced without blocking (Streaming DiLoCo's outer average, overlapping inner steps); and
+:class:`MeanInFlight`, one such mean at a time with the errors it feeds back: dropped without
+a trace, saved in a checkpoint mid-flight and started again with the same payloads.
 
 Example::
 
@@ -11,15 +13,18 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, CommunicatorBase
 from gossamer.compress.lowbit import LowBit
 
-__all__ = ["ScatteredMean"]
+__all__ = ["Exchange", "MeanInFlight", "ScatteredMean"]
 
 
 class ScatteredMean:
@@ -108,3 +113,121 @@ class ScatteredMean:
         chunks = [self.mean if r == me else self.codec.decode(gathered[r], self.chunk)
                   for r in range(n)]
         return torch.cat(chunks)[: self.numel]
+
+
+@dataclass
+class Exchange:
+    """A mean in flight on this worker, with what starting it again needs."""
+
+    fragment: int  # its key: the fragment (or whatever the caller averages) it is of
+    vector: torch.Tensor  # this worker's vector, as it was sent
+    sent_before: torch.Tensor | None  # its errors of the key before the exchange
+    mean_before: torch.Tensor | None
+    mean: ScatteredMean | None = None  # None: not started here (loaded from a state)
+    #: its first messages were sent, and counted, before a checkpoint: sent again uncounted
+    counted: bool = False
+
+
+class MeanInFlight:
+    """At most one :class:`ScatteredMean` in flight, keyed by an int, and this worker's
+    encoding errors of every key (``residuals``, fed back into the next mean of the same key).
+
+    A mean in flight can be dropped (:meth:`drop`: the errors go back to what they were
+    before it, since what it sent will never be applied) and saved mid-flight
+    (:meth:`state_dict`): a worker that loads its own state starts it again at once with the
+    same vector and errors, so the same payloads, uncounted (they were counted before the
+    checkpoint)."""
+
+    def __init__(self, codec: LowBit) -> None:
+        self.codec = codec
+        self.residuals: dict[Any, torch.Tensor] = {}
+        self.in_flight: Exchange | None = None
+
+    def start(self, comm: Communicator, key: int, vector: torch.Tensor) -> None:
+        """Start the mean of ``vector`` under ``key`` over ``comm``'s workers."""
+        self.in_flight = Exchange(key, vector, self.residuals.get((key, "sent")),
+                                  self.residuals.get((key, "mean")))
+        try:
+            self.started(comm)
+        except BaseException:  # (a send that failed at once: nothing of it is in flight)
+            self.drop()
+            raise
+
+    def started(self, comm: Communicator) -> ScatteredMean:
+        """The mean in flight, started now if it was not (loaded from a state): this worker's
+        errors of the key as they were before it, the same vector, so the same payloads as
+        the first time and the same mean."""
+        exchange = self.in_flight
+        assert exchange is not None
+        if exchange.mean is None:
+            self._restore_errors(exchange)
+            again = exchange.counted and isinstance(comm, CommunicatorBase)
+            with comm.uncounted() if again else contextlib.nullcontext():
+                exchange.mean = ScatteredMean(comm, exchange.vector, self.codec,
+                                              self.residuals, exchange.fragment)
+        return exchange.mean
+
+    def progress(self, comm: Communicator) -> None:
+        """Advance the mean in flight, if any (never blocks)."""
+        if self.in_flight is not None:
+            self.started(comm).progress()
+
+    def take(self, comm: Communicator) -> torch.Tensor:
+        """The mean in flight, waited for; nothing is in flight after it."""
+        mean = self.started(comm).wait()
+        self.in_flight = None
+        return mean
+
+    def _restore_errors(self, exchange: Exchange) -> None:
+        for kind, before in (("sent", exchange.sent_before), ("mean", exchange.mean_before)):
+            if before is None:
+                self.residuals.pop((exchange.fragment, kind), None)
+            else:
+                self.residuals[(exchange.fragment, kind)] = before
+
+    def drop(self) -> None:
+        """Forget the mean in flight, never waited on: this worker's errors of its key go back
+        to what they were before it."""
+        if self.in_flight is not None:
+            self._restore_errors(self.in_flight)
+            self.in_flight = None
+
+    def keep_own_errors(self, sizes: Sequence[int]) -> None:
+        """Of this worker's errors, those of its own vectors (key k of ``sizes[k]`` elements),
+        without the padding of the old number of workers; those of the means it owned
+        (chunks of the old ranks) are dropped: for a new set of workers."""
+        self.residuals = {(key, kind): error[:sizes[key]].clone()
+                          for (key, kind), error in self.residuals.items()
+                          if kind == "sent" and error.numel() >= sizes[key]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The errors and the mean in flight, if any: its key, the vector this worker sent and
+        its errors of the key as they were before."""
+        state: dict[str, Any] = {"residuals": [[list(k), v.clone()] for k, v in sorted(
+            self.residuals.items(), key=lambda item: repr(item[0]))]}
+        if self.in_flight is not None:
+            exchange = self.in_flight
+            state["in_flight"] = {"fragment": exchange.fragment,
+                                  "vector": exchange.vector.clone()}
+            for key, before in (("sent_before", exchange.sent_before),
+                                ("mean_before", exchange.mean_before)):
+                if before is not None:
+                    state["in_flight"][key] = before.clone()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], comm: Communicator, own: bool) -> None:
+        """This worker's errors and its mean in flight when the state is its ``own`` (then
+        the mean starts again at once over ``comm``, collective); none otherwise (a worker
+        that rejoins with another's state)."""
+        self.residuals = ({(int(k[0]), str(k[1])): v.clone() for k, v in state["residuals"]}
+                          if own else {})
+        self.in_flight = None
+        saved = state.get("in_flight")
+        if saved is not None and own:
+            def before(key: str) -> torch.Tensor | None:
+                return saved[key].clone() if saved.get(key) is not None else None
+
+            self.in_flight = Exchange(int(saved["fragment"]), saved["vector"].clone(),
+                                      before("sent_before"), before("mean_before"),
+                                      counted=True)
+            self.started(comm)

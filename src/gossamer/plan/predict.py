@@ -138,7 +138,7 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     one = simulate != "every" and algorithm.symmetric() and not homogeneous(
         workers, network, compute)
     if simulate == "one" and not one:
-        raise ValueError(f"simulate='one': {label or algorithm.name} at {workers} workers needs "
+        raise ValueError(f"simulate='one': {label or algorithm.label} at {workers} workers needs "
                          "every worker simulated (" + (homogeneous(workers, network, compute)
                                                        or "not a symmetric method") + ")")
     started = time.perf_counter()
@@ -153,7 +153,7 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     real = time.perf_counter() - started
     per_step = [r["seconds"] / steps for r in rows]
     return Prediction(
-        method=label or algorithm.name,
+        method=label or algorithm.label,
         workers=workers,
         steps=steps,
         step_time=max(per_step),

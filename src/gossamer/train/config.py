@@ -18,7 +18,14 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
-from gossamer.algorithms import Algorithm, AllReduce, create, with_compression
+from gossamer.algorithms import (
+    Algorithm,
+    AllReduce,
+    CompressionPreset,
+    create,
+    lookup,
+    with_compression,
+)
 from gossamer.checks import check_int, check_positive
 from gossamer.comm.faults import check_faults
 from gossamer.comm.network import ComputeModel, NetworkModel
@@ -281,12 +288,15 @@ def resolve_algorithm(algorithm: Algorithm | str | Mapping[str, Any],
     """The algorithm's configuration object from a name (or a spec mapping, as in a recipe or
     config.yaml) with ``options``, or an object whose ``options`` change; then sent through
     ``compressor`` where one is given. Bad names and options fail here, naming them."""
+    name = None  # the registry name given, if any
     if isinstance(algorithm, Mapping):
         spec = dict(algorithm)
         if "name" not in spec:
             raise ValueError(f"algorithm: a mapping needs a name, got {spec!r}")
-        algorithm = create(spec["name"], {**dict(spec.get("options") or {}), **(options or {})})
+        name = spec["name"]
+        algorithm = create(name, {**dict(spec.get("options") or {}), **(options or {})})
     elif isinstance(algorithm, str):
+        name = algorithm
         algorithm = create(algorithm, options)
     elif isinstance(algorithm, Algorithm):
         if options:
@@ -297,6 +307,10 @@ def resolve_algorithm(algorithm: Algorithm | str | Mapping[str, Any],
         raise ValueError(f"algorithm must be an Algorithm or a registered name, got "
                          f"{algorithm!r}")
     if compressor is not None:
+        if isinstance(name, str) and isinstance(lookup(name), CompressionPreset):
+            raise ValueError(f"compressor: algorithm {name!r} is allreduce with {name}'s "
+                             "compressor already; for another, give algorithm 'allreduce' "
+                             "with this compressor")
         algorithm = with_compression(algorithm, compressor)
     return algorithm
 
@@ -397,7 +411,7 @@ def _check_continues(algorithm: Algorithm) -> None:
 
     able = ", ".join(n for n in available() if continues_after_failure(lookup(n)))
     raise ValueError(
-        f"on_failure='continue' (--on-failure continue): {algorithm.name} cannot go on "
+        f"on_failure='continue' (--on-failure continue): {algorithm.label} cannot go on "
         "without a failed worker (its steps need every worker, or its state cannot be "
         f"rebuilt for fewer); the methods that can: {able}. Use on_failure='stop' with "
         "--max-restarts to restart from a checkpoint instead")

@@ -438,7 +438,7 @@ class Trainer:
         config, comm, membership = self.config, self.comm, self.membership
         if membership is not None:
             membership.close()  # a worker still waiting to rejoin need not wait any longer
-        summary = {**self.last, "kind": "summary", "algorithm": config.algorithm.name,
+        summary = {**self.last, "kind": "summary", "algorithm": config.algorithm.label,
                    "world_size": comm.world_size, "rank": comm.rank}
         if membership is not None:  # (step, members) of each change: the members at the start
             summary["membership"] = [{"step": 0, "members": list(range(self.size))},

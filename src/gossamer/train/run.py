@@ -221,7 +221,7 @@ def finished_run(config: TrainConfig, environ: Mapping[str, str] | None = None
                 f"resume: run_dir {str(run_dir)!r} is complete (its newest checkpoint is of "
                 f"the last step, {config.steps}) but its metrics.jsonl has no record of that "
                 f"step; pass a larger --steps to train on, or start a new run_dir")
-        summary = {**last, "kind": "summary", "algorithm": config.algorithm.name,
+        summary = {**last, "kind": "summary", "algorithm": config.algorithm.label,
                    "world_size": ckpt.read_meta(candidates[0])["world_size"]}
         if _launched_rank() == 0:  # the summary the finished run did not get to write
             kept = [r for r in records if r.get("kind") != "summary"]
