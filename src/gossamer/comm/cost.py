@@ -86,8 +86,10 @@ def ring_all_gather_time(
     return total
 
 
-def _tree_edges(n: int, src: int) -> list[list[tuple[int, int]]]:
-    """Binomial-tree broadcast edges per round, as (sender, receiver) ranks."""
+def broadcast_edges(n: int, src: int) -> list[list[tuple[int, int]]]:
+    """Binomial-tree broadcast edges per round, as (sender, receiver) ranks: the messages of
+    a broadcast from ``src`` among ``n`` ranks, as the cost model counts them and
+    :class:`~gossamer.comm.p2p_group.P2PGroup` sends them."""
     rounds = []
     r = 0
     while (1 << r) < n:
@@ -103,12 +105,12 @@ def _tree_edges(n: int, src: int) -> list[list[tuple[int, int]]]:
 
 def broadcast_traffic(rank: int, n: int, src: int, nbytes: int) -> Traffic:
     """Bytes ``rank`` sends in a binomial-tree broadcast from ``src``."""
-    return [(dst, nbytes, 1) for edges in _tree_edges(n, src) for s, dst in edges if s == rank]
+    return [(dst, nbytes, 1) for edges in broadcast_edges(n, src) for s, dst in edges if s == rank]
 
 
 def broadcast_sources(rank: int, n: int, src: int) -> list[int]:
     """The rank that ``rank`` receives from in a binomial-tree broadcast (empty for ``src``)."""
-    return [s for edges in _tree_edges(n, src) for s, dst in edges if dst == rank]
+    return [s for edges in broadcast_edges(n, src) for s, dst in edges if dst == rank]
 
 
 def broadcast_time(
@@ -116,7 +118,7 @@ def broadcast_time(
 ) -> float:
     return sum(
         max(network.message_time(members[s], members[d], nbytes) for s, d in edges)
-        for edges in _tree_edges(n, src)
+        for edges in broadcast_edges(n, src)
     )
 
 

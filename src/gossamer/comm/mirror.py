@@ -57,7 +57,7 @@ from gossamer.comm.base import (
 )
 from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.p2p_group import HEADER_BYTES
-from gossamer.comm.sim import SimComm, _ExchangeWait, _SimHandle, _Slot, _Wait, _Worker
+from gossamer.comm.sim import ExchangeWait, ReceiveSlot, SimComm, SimHandle, SimWorker, Wait
 
 __all__ = ["Copies", "MirrorComm", "MirrorWorld", "NotSymmetric", "homogeneous"]
 
@@ -122,10 +122,10 @@ class MirrorWorld:
         from gossamer.comm.timing import SizeOnlyMode
 
         saved_rng, saved_grad = torch.get_rng_state(), torch.is_grad_enabled()
-        self._groups: dict[Hashable, int] = {}
+        self.groups: dict[Hashable, int] = {}
         self._durations: dict[Hashable, float] = {}
-        self._shared: dict[str, Any] = {}
-        self.worker = _Worker(0, self.seed)
+        self.shared: dict[str, Any] = {}
+        self.worker = SimWorker(0, self.seed)
         torch.default_generator.set_state(self.worker.torch_rng)  # as SimWorld's rank 0
         try:
             with SizeOnlyMode():
@@ -135,42 +135,49 @@ class MirrorWorld:
             torch.set_rng_state(saved_rng)
             torch.set_grad_enabled(saved_grad)
 
-    # -- what SimComm and _SimHandle ask of their world --------------------------------------
-    def _duration(self, key: Hashable, compute: Callable[[], float]) -> float:
+    # -- what SimComm and SimHandle ask of their world: SimWorld's public methods -------------
+    def collective_duration(self, key: Hashable, compute: Callable[[], float]) -> float:
+        """A collective's virtual duration, ``compute()``, kept by ``key`` (as SimWorld's)."""
         duration = self._durations.get(key)
         if duration is None:
             duration = self._durations[key] = compute()
         return duration
 
-    def _wake(self, w: _Worker, at: float, error: BaseException | None = None) -> None:
+    def wake(self, w: SimWorker, at: float, error: BaseException | None = None) -> None:
+        """``w`` goes on at virtual time ``at`` (the time it waited counts as idle), to raise
+        ``error`` (if any) at its next :meth:`yield_turn`."""
         w.idle_time += max(0.0, at - w.clock)
         w.clock = max(w.clock, at)
         w.wait = None
         w.wake_error = error
 
-    def _sync(self, w: _Worker) -> None:
+    def sync(self, w: SimWorker) -> None:
         """Nothing earlier can happen: every other worker is where this one is."""
 
-    def _yield(self, w: _Worker) -> None:
+    def yield_turn(self, w: SimWorker) -> None:
+        """No other worker takes a turn; raises what :meth:`wake` left for ``w`` (a timeout)."""
         if w.wake_error is not None:
             error, w.wake_error = w.wake_error, None
             raise error
 
-    def _block(self, w: _Worker, wait: _Wait) -> NoReturn:
+    def block(self, w: SimWorker, wait: Wait) -> NoReturn:
+        """A receive that no message fills: the method is not symmetric."""
         raise NotSymmetric(f"{wait.op}: waits for a message that no call of this worker "
                            "mirrors")
 
-    def _maybe_complete(self, w: _Worker) -> None:
+    def wake_if_complete(self, w: SimWorker) -> None:
+        """Wake ``w``, whose exchange has every message, when the last arrives (or at its
+        deadline, with a timeout)."""
         wait = w.wait
-        assert isinstance(wait, _ExchangeWait) and wait.handle is not None
+        assert isinstance(wait, ExchangeWait) and wait.handle is not None
         deadline = wait.started + self.timeout
         completion = wait.handle.completion()
         if completion > deadline:
-            self._wake(w, deadline, CommTimeoutError(
+            self.wake(w, deadline, CommTimeoutError(
                 f"{wait.op} on rank {w.rank} timed out after {self.timeout:g} s (virtual)",
                 op=wait.op, peers=()))
         else:
-            self._wake(w, completion)
+            self.wake(w, completion)
 
 
 class MirrorComm(SimComm):
@@ -181,15 +188,15 @@ class MirrorComm(SimComm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         #: receives posted with nothing sent in their call, by source: see _fill_posted
-        self._posted: list[tuple[int, _Slot]] = []
+        self._posted: list[tuple[int, ReceiveSlot]] = []
 
     def _collective_done(self, key: Hashable, duration: Callable[[], float]) -> None:
         """This worker and every other member arrive now; the collective ends ``duration()``
         later (kept by ``key``), as SimWorld's does when its last member arrives."""
         world, w = self._world, self._worker
-        end = max(w.clock, w.nic_free) + world._duration((self._group, *key), duration)
+        end = max(w.clock, w.nic_free) + world.collective_duration((self._group, *key), duration)
         w.nic_free = end
-        world._wake(w, end)
+        world.wake(w, end)
 
     def _mean(self, nbytes: float, messages: float) -> None:
         """Add one call's bytes and messages per worker, the mean over its members (every
@@ -273,7 +280,7 @@ class MirrorComm(SimComm):
 
     # ---- point to point
     def exchange(self, sends: Mapping[int, torch.Tensor], recv_from: Sequence[int],
-                 recv_like: torch.Tensor | None = None) -> _SimHandle:
+                 recv_like: torch.Tensor | None = None) -> SimHandle:
         like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
         if self._worker.parts:
             self._local_work()
@@ -298,7 +305,7 @@ class MirrorComm(SimComm):
         slots = []
         n, me = self.world_size, self._rank
         for src in recv_from:
-            slot = _Slot(self._members[src])
+            slot = ReceiveSlot(self._members[src])
             slots.append(slot)
             if not sent:  # posted first (an all-to-all): filled by the sends that follow
                 self._posted.append((src, slot))
@@ -313,7 +320,7 @@ class MirrorComm(SimComm):
             slot.tensor, slot.arrival = tensor.detach().clone(), arrival
         if sent and self._posted:
             self._fill_posted(sent)
-        return _SimHandle(self, slots, sends_done, like, name, counted)
+        return SimHandle(self, slots, sends_done, like, name, counted)
 
     def _fill_posted(self, sent: Mapping[int, tuple[torch.Tensor, float]]) -> None:
         """Complete the receives posted before these sends whose message they mirror: the one
@@ -328,10 +335,6 @@ class MirrorComm(SimComm):
             else:
                 slot.tensor, slot.arrival = mirror[0].detach().clone(), mirror[1]
         self._posted = waiting
-
-    def group(self, ranks: Sequence[int]) -> MirrorComm:
-        group = super().group(ranks)
-        return MirrorComm(self._world, self._worker, group._members, self._epoch, parent=self)
 
     # ---- what one worker cannot stand for
     def regroup(self, rank: int, members: Sequence[int], name: str) -> NoReturn:

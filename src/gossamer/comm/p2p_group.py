@@ -190,7 +190,7 @@ class P2PGroup(CommunicatorBase, DeviceBound):
         label = self._begin("broadcast")
         buf = tensor if tensor.is_contiguous() else tensor.contiguous()
         with self._errors(label), self._parent_uncounted():  # counted below, by name
-            for edges in cost._tree_edges(n, src):
+            for edges in cost.broadcast_edges(n, src):
                 sends = {dst: buf for s, dst in edges if s == r}
                 recv_from = [s for s, dst in edges if dst == r]
                 if sends or recv_from:

@@ -130,8 +130,9 @@ class SimReport:
         }
 
 
-class _Worker:
-    """Scheduler-side state of one simulated worker."""
+class SimWorker:
+    """Scheduler-side state of one simulated worker (what SimWorld's scheduling methods, and
+    MirrorWorld's, take)."""
 
     def __init__(self, rank: int, seed: int) -> None:
         self.rank = rank
@@ -152,18 +153,18 @@ class _Worker:
         self.active_time = 0.0  # real seconds run since the last compute_step (measured mode)
         self.resumed_at = 0.0
         self.deadline_token = 0
-        self.wait: _Wait | None = None
+        self.wait: Wait | None = None
         self.wake_error: BaseException | None = None
         self.error: BaseException | None = None
         self.result: Any = None
-        self.collective_seq: dict[int, int] = defaultdict(int)  # by group (SimWorld._groups)
+        self.collective_seq: dict[int, int] = defaultdict(int)  # by group (SimWorld.groups)
         seeds = np.random.SeedSequence([seed, rank]).generate_state(2)
         self.rng = np.random.default_rng(seeds[0])
         self.torch_rng = torch.Generator().manual_seed(int(seeds[1])).get_state()
 
 
 @dataclass
-class _Wait:
+class Wait:
     """What a blocked worker waits for, to say so when it times out."""
 
     op: str
@@ -178,7 +179,7 @@ class _Pending:
     kind: str
     members: tuple[int, ...]
     name: str
-    group: int  # the members' id (SimWorld._groups)
+    group: int  # the members' id (SimWorld.groups)
     signature: Any = None  # what every member must call alike (the first arrival's)
     arrivals: dict[int, float] = field(default_factory=dict)  # global rank -> start time
     first: float = math.inf  # earliest and latest arrival
@@ -189,7 +190,7 @@ class _Pending:
 
 
 @dataclass
-class _Slot:
+class ReceiveSlot:
     """A posted receive, filled by the matching message."""
 
     src: int
@@ -199,6 +200,13 @@ class _Slot:
 
 class SimWorld:
     """n simulated workers in one process, deterministic, with virtual clocks.
+
+    What a :class:`SimComm` asks of the world it runs in is public, as a
+    :class:`~gossamer.comm.mirror.MirrorWorld` (one worker that stands for all) answers it
+    too: :attr:`groups` (an id for each set of members) and :attr:`shared` (the run's
+    key-value store), both set up by each run, and :meth:`sync`, :meth:`yield_turn`,
+    :meth:`block`, :meth:`wake`, :meth:`wake_if_complete` and :meth:`collective_duration`.
+    The rest (matching collectives and messages) serves the calls that MirrorComm replaces.
 
     Args:
         world_size: number of workers (>= 1).
@@ -272,22 +280,22 @@ class SimWorld:
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[Any]:
         n = self.world_size
-        self._workers = [_Worker(r, self.seed) for r in range(n)]
+        self._workers = [SimWorker(r, self.seed) for r in range(n)]
         self._ready: list[tuple[float, int]] = [(0.0, r) for r in range(n)]
         self._deadlines: list[tuple[float, int, int]] = []
         self._pending: dict[tuple[int, int], _Pending] = {}
         # members -> a small id: collectives are keyed by it, not by the members' tuple, whose
         # hash costs as much as its length (10,000 workers: 50 us per collective per worker)
-        self._groups: dict[Hashable, int] = {}  # by members (and epoch)
-        self._durations: dict[Hashable, float] = {}  # see _duration
+        self.groups: dict[Hashable, int] = {}  # by members (and epoch)
+        self._durations: dict[Hashable, float] = {}  # see collective_duration
         self._inbox: dict[tuple[int, int], deque[tuple[torch.Tensor, float]]] = defaultdict(deque)
-        self._posted: dict[tuple[int, int], deque[_Slot]] = defaultdict(deque)
+        self._posted: dict[tuple[int, int], deque[ReceiveSlot]] = defaultdict(deque)
         self._hub = greenlet.getcurrent()
-        self._running: _Worker | None = None
-        self._handoff: _Worker | None = None  # picked by a worker, to be started by the hub
+        self._running: SimWorker | None = None
+        self._handoff: SimWorker | None = None  # picked by a worker, to be started by the hub
         self._switched_at = time.perf_counter()
         self._hung: int | None = None
-        self._shared: dict[str, Any] = {}  # SimComm.shared
+        self.shared: dict[str, Any] = {}  # SimComm.shared
         for w in self._workers:
             w.glet = greenlet(functools.partial(self._worker_main, w, fn, args, kwargs),
                               parent=self._hub)
@@ -323,7 +331,7 @@ class SimWorld:
             ) from failures[first]
         return [w.result for w in self._workers]
 
-    def _next(self) -> _Worker | None:
+    def _next(self) -> SimWorker | None:
         """The hub's next worker: the one a worker handed over (to be started), or the
         scheduler's choice."""
         if self._handoff is not None:
@@ -331,7 +339,7 @@ class SimWorld:
             return nxt
         return self._pick()
 
-    def _worker_main(self, w: _Worker, fn: Callable, args: tuple, kwargs: dict) -> None:
+    def _worker_main(self, w: SimWorker, fn: Callable, args: tuple, kwargs: dict) -> None:
         """The body of ``w``'s greenlet: its first turn starts here."""
         self._resume(w)
         try:
@@ -365,7 +373,8 @@ class SimWorld:
         )
 
     # ------------------------------------------------------------------ scheduling
-    def _pick(self) -> _Worker | None:
+    # (sync, yield_turn, block, wake, wake_if_complete: SimComm's, and MirrorWorld's too)
+    def _pick(self) -> SimWorker | None:
         """The next worker to run: the smallest (clock, rank) among the ready, after firing
         every timeout that falls before it. None when every worker is done."""
         while True:
@@ -387,23 +396,23 @@ class SimWorld:
                 return None
             for w in blocked:  # hung on purpose, or else only with an infinite timeout
                 if isinstance(w.wait, _HangWait):
-                    self._wake(w, w.clock, InjectedFault(
+                    self.wake(w, w.clock, InjectedFault(
                         f"{w.wait.reason}; the simulation ended it once no other worker was "
                         "left to run"))
                     continue
-                self._wake(w, w.clock, CommError(
+                self.wake(w, w.clock, CommError(
                     f"deadlock: every live worker is blocked; rank {w.rank} waits in "
                     f"{w.wait.op if w.wait else '?'}", op=w.wait.op if w.wait else "?",
                 ))
 
-    def _resume(self, w: _Worker) -> None:
+    def _resume(self, w: SimWorker) -> None:
         """Runs in ``w``'s greenlet when it gets the turn: its own random and grad state."""
         # (the generator's and autograd's own calls: torch's wrappers cost a few us a switch)
         torch.default_generator.set_state(w.torch_rng)
         torch._C._set_grad_enabled(w.grad_enabled)
         w.resumed_at = time.perf_counter()
 
-    def _yield(self, w: _Worker) -> None:
+    def yield_turn(self, w: SimWorker) -> None:
         """Give up the turn and come back when the scheduler picks ``w`` again.
 
         The caller has either queued ``w`` as ready or marked it blocked. Raises what the
@@ -436,22 +445,24 @@ class SimWorld:
             error, w.wake_error = w.wake_error, None
             raise error
 
-    def _sync(self, w: _Worker) -> None:
+    def sync(self, w: SimWorker) -> None:
         """Let every worker that is earlier in virtual time act first: afterwards nothing
         can happen any more at a virtual time before ``w``'s clock."""
         heapq.heappush(self._ready, (w.clock, w.rank))
         w.state = _READY
-        self._yield(w)
+        self.yield_turn(w)
 
-    def _block(self, w: _Worker, wait: _Wait) -> None:
+    def block(self, w: SimWorker, wait: Wait) -> None:
         """Block ``w`` until woken or until its timeout."""
         w.state = _BLOCKED
         w.wait = wait
         w.deadline_token += 1
         heapq.heappush(self._deadlines, (wait.started + self.timeout, w.rank, w.deadline_token))
-        self._yield(w)
+        self.yield_turn(w)
 
-    def _wake(self, w: _Worker, at: float, error: BaseException | None = None) -> None:
+    def wake(self, w: SimWorker, at: float, error: BaseException | None = None) -> None:
+        """Make ``w`` ready to run at virtual time ``at`` (the time it waited counts as idle),
+        to raise ``error`` (if any) when it resumes."""
         w.idle_time += max(0.0, at - w.clock)
         w.clock = max(w.clock, at)
         w.state = _READY
@@ -481,24 +492,24 @@ class SimWorld:
             return f"rank {rank} (blocked in {w.wait.op} at t={w.clock:.6g} s{via})"
         return f"rank {rank} (at t={w.clock:.6g} s, not there yet)"
 
-    def _waiting_for(self, w: _Worker) -> tuple[int, ...]:
+    def _waiting_for(self, w: SimWorker) -> tuple[int, ...]:
         """The ranks whose arrival or message blocked ``w`` is still missing."""
         wait = w.wait
         if isinstance(wait, _CollectiveWait) and wait.pending is not None:
             return tuple(m for m in wait.pending.members if m not in wait.pending.arrivals)
-        if isinstance(wait, _ExchangeWait) and wait.handle is not None:
+        if isinstance(wait, ExchangeWait) and wait.handle is not None:
             return tuple(s.src for s in wait.handle._slots if s.tensor is None)
         return ()
 
-    def _hang(self, w: _Worker, reason: str) -> NoReturn:
+    def _hang(self, w: SimWorker, reason: str) -> NoReturn:
         """``w`` blocks for ever (fault injection): no deadline, nothing wakes it, except the
         end of the simulation (see _pick)."""
         w.state = _BLOCKED
         w.wait = _HangWait(f"a hang ({reason})", (), w.clock, reason=reason)
-        self._yield(w)
+        self.yield_turn(w)
         raise AssertionError("a hung worker was resumed")  # _pick wakes it with an error
 
-    def _fire_timeout(self, w: _Worker, deadline: float) -> None:
+    def _fire_timeout(self, w: SimWorker, deadline: float) -> None:
         """``w`` gave up waiting at virtual time ``deadline`` ."""
         wait = w.wait
         assert wait is not None
@@ -508,7 +519,7 @@ class SimWorld:
             wait.peers = tuple(
                 m for m in pending.members if pending.arrivals.get(m, math.inf) > deadline
             )
-        elif isinstance(wait, _ExchangeWait):
+        elif isinstance(wait, ExchangeWait):
             assert wait.handle is not None
             wait.peers = tuple(
                 s.src for s in wait.handle._slots if s.tensor is None or s.arrival > deadline
@@ -519,7 +530,7 @@ class SimWorld:
             f"waiting for {peers}",
             op=wait.op, peers=wait.peers,
         )
-        self._wake(w, deadline, error)
+        self.wake(w, deadline, error)
         if isinstance(wait, _CollectiveWait) and wait.pending.abandoned_at is None:
             pending = wait.pending
             pending.abandoned_at = deadline
@@ -529,7 +540,7 @@ class SimWorld:
                 if arrival > deadline and member.state == _BLOCKED and isinstance(
                     member.wait, _CollectiveWait
                 ) and member.wait.pending is pending:
-                    self._wake(member, arrival, self._abandoned(pending, w.rank, deadline))
+                    self.wake(member, arrival, self._abandoned(pending, w.rank, deadline))
 
     def _abandoned(self, pending: _Pending, by: int, at: float) -> CommError:
         return CommError(
@@ -576,7 +587,7 @@ class SimWorld:
             or pending.last > pending.first + self.timeout  # someone gave up first
         ):
             # who is missing is worked out only if it times out (_fire_timeout)
-            self._block(w, _CollectiveWait(name, (), arrival, pending=pending))
+            self.block(w, _CollectiveWait(name, (), arrival, pending=pending))
             return pending.results.pop(w.rank, None)
         del self._pending[key]
         end, results = finish(pending)
@@ -585,12 +596,12 @@ class SimWorld:
             member = self._workers[m]
             member.nic_free = end
             if member is not w:
-                self._wake(member, end)
-        self._wake(w, end)
-        self._yield(w)
+                self.wake(member, end)
+        self.wake(w, end)
+        self.yield_turn(w)
         return pending.results.pop(w.rank, None)
 
-    def _duration(self, key: Hashable, compute: Callable[[], float]) -> float:
+    def collective_duration(self, key: Hashable, compute: Callable[[], float]) -> float:
         """A collective's virtual duration, ``compute()``, kept by ``key`` (the group's id,
         the collective and its sizes): the network model is frozen, and its members' links
         are the same at every call (the ring's slowest link costs a call per member)."""
@@ -610,17 +621,17 @@ class SimWorld:
             divide_(total, n)  # integers round down, as on real processes
         torch._foreach_copy_(parts, [total] * n)  # one call for every member
         numel, esize = total.numel(), total.element_size()
-        return p.last + self._duration(
+        return p.last + self.collective_duration(
             (p.group, "all_reduce", numel, esize),
             lambda: cost.ring_all_reduce_time(n, numel, esize, self.network, p.members)), {}
 
     def _finish_barrier(self, p: _Pending) -> tuple[float, dict[int, Any]]:
         n = len(p.members)
-        return p.last + self._duration(
+        return p.last + self.collective_duration(
             (p.group, "barrier"), lambda: cost.barrier_time(n, self.network, p.members)), {}
 
     # ------------------------------------------------------------------ point to point
-    def _send(self, w: _Worker, dst: int, tensor: torch.Tensor) -> float:
+    def _send(self, w: SimWorker, dst: int, tensor: torch.Tensor) -> float:
         """Queue a message on ``w``'s NIC; returns when the NIC is done with it."""
         nbytes = tensor_nbytes(tensor)
         start = max(w.clock, w.nic_free)
@@ -632,14 +643,14 @@ class SimWorld:
             slot = posted.popleft()
             slot.tensor, slot.arrival = payload, arrival
             receiver = self._workers[dst]
-            if receiver.state == _BLOCKED and isinstance(receiver.wait, _ExchangeWait):
-                self._maybe_complete(receiver)
+            if receiver.state == _BLOCKED and isinstance(receiver.wait, ExchangeWait):
+                self.wake_if_complete(receiver)
         else:
             self._inbox[(w.rank, dst)].append((payload, arrival))
         return w.nic_free
 
-    def _post(self, w: _Worker, src: int) -> _Slot:
-        slot = _Slot(src)
+    def _post(self, w: SimWorker, src: int) -> ReceiveSlot:
+        slot = ReceiveSlot(src)
         inbox = self._inbox[(src, w.rank)]
         if inbox:
             slot.tensor, slot.arrival = inbox.popleft()
@@ -647,10 +658,10 @@ class SimWorld:
             self._posted[(src, w.rank)].append(slot)
         return slot
 
-    def _maybe_complete(self, w: _Worker) -> None:
+    def wake_if_complete(self, w: SimWorker) -> None:
         """Wake ``w`` if its exchange has everything it waits for ."""
         wait = w.wait
-        assert isinstance(wait, _ExchangeWait) and wait.handle is not None
+        assert isinstance(wait, ExchangeWait) and wait.handle is not None
         missing = tuple(s.src for s in wait.handle._slots if s.tensor is None)
         if missing:
             wait.peers = missing
@@ -660,29 +671,31 @@ class SimWorld:
         if completion > deadline:  # a message arrives, in virtual time, too late
             self._fire_timeout(w, deadline)
         else:
-            self._wake(w, completion)
+            self.wake(w, completion)
 
 
 @dataclass
-class _CollectiveWait(_Wait):
+class _CollectiveWait(Wait):
     pending: _Pending | None = None
 
 
 @dataclass
-class _ExchangeWait(_Wait):
-    handle: _SimHandle | None = None
+class ExchangeWait(Wait):
+    """A worker waits for the receives of an exchange (``handle``)."""
+
+    handle: SimHandle | None = None
 
 
 @dataclass
-class _HangWait(_Wait):
+class _HangWait(Wait):
     reason: str = ""
 
 
-class _SimHandle:
+class SimHandle:
     """An exchange in flight in the simulator."""
 
     def __init__(
-        self, view: SimComm, slots: list[_Slot], sends_done: float,
+        self, view: SimComm, slots: list[ReceiveSlot], sends_done: float,
         like: torch.Tensor | None, name: str, counted: bool = True,
     ) -> None:
         self._view = view
@@ -702,7 +715,7 @@ class _SimHandle:
         if self._result is not None:
             return True
         world, w = self._view._world, self._view._worker
-        world._sync(w)
+        world.sync(w)
         return all(s.tensor is not None for s in self._slots) and self.completion() <= w.clock
 
     def wait(self) -> dict[int, torch.Tensor]:
@@ -712,13 +725,13 @@ class _SimHandle:
         if self._result is not None:
             return self._result
         world, w = view._world, view._worker
-        wait = _ExchangeWait(self._name, (), w.clock, handle=self)
+        wait = ExchangeWait(self._name, (), w.clock, handle=self)
         if any(s.tensor is None for s in self._slots):
-            world._block(w, wait)
+            world.block(w, wait)
         else:
             w.wait = wait
-            world._maybe_complete(w)
-            world._yield(w)
+            world.wake_if_complete(w)
+            world.yield_turn(w)
         result = {}
         for slot in self._slots:
             tensor = slot.tensor
@@ -745,7 +758,7 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
               SharedState):
     """One simulated worker's communicator (over the whole world or a subgroup of it)."""
 
-    def __init__(self, world: SimWorld, worker: _Worker, members: tuple[int, ...],
+    def __init__(self, world: SimWorld, worker: SimWorker, members: tuple[int, ...],
                  epoch: str | None = None, parent: SimComm | None = None) -> None:
         self._world = world
         self._worker = worker
@@ -756,7 +769,7 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
         # an earlier epoch is not matched against it.
         self._epoch = epoch
         key = members if epoch is None else (members, epoch)
-        self._group = world._groups.setdefault(key, len(world._groups))
+        self._group = world.groups.setdefault(key, len(world.groups))
         self._index = {g: i for i, g in enumerate(members)}
         super().__init__(self._index[worker.rank], len(members),
                          worker.stats if len(members) == world.world_size
@@ -962,7 +975,7 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
         sends: Mapping[int, torch.Tensor],
         recv_from: Sequence[int],
         recv_like: torch.Tensor | None = None,
-    ) -> _SimHandle:
+    ) -> SimHandle:
         like = check_exchange(self._rank, self.world_size, sends, recv_from, recv_like)
         if self._worker.parts:
             self._local_work()
@@ -978,20 +991,21 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
             if counted:
                 self._record(peer, tensor_nbytes(tensor), sent=True)
         slots = [world._post(w, self._members[src]) for src in recv_from]
-        return _SimHandle(self, slots, sends_done, like, name, counted)
+        return SimHandle(self, slots, sends_done, like, name, counted)
 
     def group(self, ranks: Sequence[int]) -> SimComm:
         ranks = check_group_ranks(ranks, self.world_size)
         if self._rank not in ranks:
             raise ValueError(f"ranks {list(ranks)} do not include this worker's rank {self._rank}")
-        return SimComm(self._world, self._worker, tuple(self._members[r] for r in ranks),
-                       self._epoch, parent=self)
+        # of this view's class: a MirrorComm's groups are MirrorComms
+        return type(self)(self._world, self._worker, tuple(self._members[r] for r in ranks),
+                          self._epoch, parent=self)
 
     # ---- membership changes (gossamer.comm.membership)
     @property
     def shared(self) -> dict[str, Any]:
         """A dict every worker of this run sees: the simulator's key-value store."""
-        return self._world._shared
+        return self._world.shared
 
     def peer_alive(self, rank: int) -> bool:
         """Whether ``rank`` has neither crashed, nor hung, nor finished."""
@@ -1003,7 +1017,7 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
         w = self._worker
         w.idle_time += seconds
         w.clock += seconds
-        self._world._sync(w)
+        self._world.sync(w)
 
     def regroup(self, rank: int, members: Sequence[int], name: str) -> SimComm:
         """A communicator over ``members`` (global ranks; this worker's is ``rank``-th). The

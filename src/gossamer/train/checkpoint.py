@@ -60,8 +60,11 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-_STEP_DIR = re.compile(r"step-(\d+)")
-_LEFTOVER = re.compile(r"step-\d+\.(tmp|old)")  # a crashed save's or a crashed pruning's
+# Shared with gossamer.train.dcp, which lays out a run directory's DCP checkpoints alike: the
+# directories' names, and the steps of a save and a resume (fsync_dir, remove_checkpoint,
+# prune_checkpoints, check_same_step, the FOUND_* statuses).
+STEP_DIR = re.compile(r"step-(\d+)")  # a checkpoint's directory: step-<step>
+LEFTOVER = re.compile(r"step-\d+\.(tmp|old)")  # a crashed save's or a crashed pruning's
 _DIGEST_WORDS = 4  # a sha256 digest as int64 words, for the all-gather
 
 
@@ -69,7 +72,9 @@ class DamagedCheckpoint(ValueError):
     """A file of a checkpoint is missing, unreadable, or not what its meta.json records."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the entries of the directory ``path`` durable: a file created, renamed or removed
+    in it survives a crash once this returns."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -91,7 +96,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> str:
@@ -116,7 +121,7 @@ def _decode(words: torch.Tensor) -> str:
     return words.numpy().tobytes().hex()
 
 
-def _check_same_step(action: str, steps: list[int], shown: dict[int, str] | None = None) -> None:
+def check_same_step(action: str, steps: list[int], shown: dict[int, str] | None = None) -> None:
     """Every worker must ``action`` the same step; else a ValueError naming those that differ
     from rank 0 (the same message on every worker)."""
     if all(s == steps[0] for s in steps):
@@ -151,7 +156,7 @@ def save_checkpoint(
     # Each worker sends its step and its shard's digest once the shard is on disk: when the
     # gather returns, every shard is.
     gathered = comm.all_gather(_encode(step, digest))
-    _check_same_step("save", [int(t[0]) for t in gathered])
+    check_same_step("save", [int(t[0]) for t in gathered])
     if comm.rank == 0:
         files = {f"rank-{r:05d}.pt": _decode(t[1:]) for r, t in enumerate(gathered)}
         if shared_digest is not None:
@@ -160,19 +165,19 @@ def save_checkpoint(
         meta = {"step": step, "world_size": comm.world_size, "shared": shared is not None,
                 "files": files}
         atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a re-run of the same step replaces it
-            _remove(final)
+            remove_checkpoint(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         atomic_write_bytes(root / "latest", final.name.encode())
         # only after `latest` moved: an older one is never the only complete one
-        _prune(root, step, keep)
+        prune_checkpoints(root, step, keep)
     comm.barrier()  # nobody goes on (and maybe crashes) before `latest` moved
     return final
 
 
-def _remove(path: Path) -> None:
+def remove_checkpoint(path: Path) -> None:
     """Remove a checkpoint directory: renamed first, so that a crash half-way never leaves a
     half-deleted directory that looks complete."""
     trash = path.with_name(path.name + ".old")
@@ -186,7 +191,7 @@ def _remove_leftovers(root: Path, current: Path, files: dict[str, str]) -> None:
     """What crashed saves left: other ``step-….tmp`` (and ``.old``) directories, and in
     ``current`` any file that is not one of ``files`` (a half-written ``*.tmp``)."""
     for path in root.iterdir():
-        if path != current and _LEFTOVER.fullmatch(path.name):
+        if path != current and LEFTOVER.fullmatch(path.name):
             shutil.rmtree(path, ignore_errors=True)
     for path in current.iterdir():
         if path.name not in files:
@@ -198,19 +203,22 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
     found = []
     if root.is_dir():
         for path in root.iterdir():
-            match = _STEP_DIR.fullmatch(path.name)
+            match = STEP_DIR.fullmatch(path.name)
             if match and (path / "meta.json").is_file():
                 found.append((int(match.group(1)), path))
     return sorted(found)
 
 
-def _prune(root: Path, step: int, keep: int) -> None:
+def prune_checkpoints(root: Path, step: int, keep: int) -> None:
+    """Remove the complete checkpoints under ``root`` later than ``step`` (saved on a trajectory
+    that resuming earlier abandoned) and, with ``keep`` > 0, all but the newest ``keep`` of
+    the others."""
     complete = _complete(root)
     # later than this one: from a trajectory that was abandoned by resuming earlier
     stale = [p for s, p in complete if s > step]
     older = [p for s, p in complete if s <= step]
     for path in stale + (older[:-keep] if keep else []):
-        _remove(path)
+        remove_checkpoint(path)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -233,7 +241,7 @@ def checkpoint_candidates(run_dir: str | Path) -> list[Path]:
     if not pointer.is_file():
         return []
     name = pointer.read_text().strip()
-    match = _STEP_DIR.fullmatch(name)
+    match = STEP_DIR.fullmatch(name)
     if match is None:
         raise ValueError(f"checkpoint pointer {pointer} holds {name!r}, not a checkpoint name")
     newest = int(match.group(1))
@@ -242,7 +250,7 @@ def checkpoint_candidates(run_dir: str | Path) -> list[Path]:
 
 def checkpoint_step(path: str | Path) -> int:
     """The step of the checkpoint directory ``path`` (``step-00000100``), from its name."""
-    match = _STEP_DIR.fullmatch(Path(path).name)
+    match = STEP_DIR.fullmatch(Path(path).name)
     if match is None:
         raise ValueError(f"{path} is not a checkpoint directory (step-NNNNNNNN)")
     return int(match.group(1))
@@ -340,7 +348,9 @@ def load_checkpoint(
     return int(meta["step"]), shard, shared
 
 
-_OK, _DAMAGED, _FATAL = 0, 1, 2  # what a worker found when it loaded a candidate
+#: what a worker found when it loaded a candidate, all-gathered to agree on it: the checkpoint,
+#: a damaged one (every worker falls back to the previous), one that does not fit (refused)
+FOUND_OK, FOUND_DAMAGED, FOUND_FATAL = 0, 1, 2
 
 
 def resume_checkpoint(
@@ -359,32 +369,32 @@ def resume_checkpoint(
     problems: list[str] = []
     for index in range(len(candidates) + 1):
         path = candidates[index] if index < len(candidates) else None
-        step, status, error, loaded = -1, _OK, "", None
+        step, status, error, loaded = -1, FOUND_OK, "", None
         if path is not None:
-            step = int(_STEP_DIR.fullmatch(path.name).group(1))  # type: ignore[union-attr]
+            step = int(STEP_DIR.fullmatch(path.name).group(1))  # type: ignore[union-attr]
             try:
                 loaded = load_checkpoint(run_dir, comm.rank, comm.world_size, path)
                 if loaded[0] != step:
                     raise DamagedCheckpoint(f"checkpoint {path} holds step {loaded[0]}")
             except DamagedCheckpoint as exc:
-                status, error = _DAMAGED, str(exc)
+                status, error = FOUND_DAMAGED, str(exc)
             except ValueError as exc:  # another world size, refused content: no fallback
-                status, error = _FATAL, str(exc)
+                status, error = FOUND_FATAL, str(exc)
         gathered = comm.all_gather(torch.tensor([step, status], dtype=torch.int64))
         steps = [int(t[0]) for t in gathered]
         statuses = [int(t[1]) for t in gathered]
-        _check_same_step("resume from", steps, {-1: "sees no checkpoint"})
+        check_same_step("resume from", steps, {-1: "sees no checkpoint"})
         if step < 0:
             detail = "; ".join(problems) or f"run_dir {str(run_dir)!r} has none"
             raise ValueError(f"no checkpoint of run_dir {str(run_dir)!r} verifies on every "
                              f"worker ({detail})")
-        if _FATAL in statuses:
+        if FOUND_FATAL in statuses:
             raise ValueError(error or f"checkpoint {path} does not fit this run (see rank "
-                             f"{statuses.index(_FATAL)}'s error)")
-        if _DAMAGED not in statuses:
+                             f"{statuses.index(FOUND_FATAL)}'s error)")
+        if FOUND_DAMAGED not in statuses:
             assert loaded is not None
             return loaded
-        bad = [r for r, s in enumerate(statuses) if s == _DAMAGED]
+        bad = [r for r, s in enumerate(statuses) if s == FOUND_DAMAGED]
         problem = f"{path.name} fails on rank(s) {bad}" + (f" ({error})" if error else "")
         problems.append(problem)
         if comm.rank == 0 or error:  # rank 0 for the record, and whoever knows the detail

@@ -155,13 +155,13 @@ def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
         "workers": {str(comm.rank): tensors},
     }
     steps = comm.all_gather(torch.tensor([step], dtype=torch.int64))
-    ckpt._check_same_step("save", [int(t[0]) for t in steps])
+    ckpt.check_same_step("save", [int(t[0]) for t in steps])
     _dcp().save(state, checkpoint_id=tmp, process_group=group)  # returns once .metadata is written
     if comm.rank == 0:
         if path.exists():
-            ckpt._remove(path)
+            ckpt.remove_checkpoint(path)
         os.replace(tmp, path)
-        ckpt._fsync_dir(path.parent)
+        ckpt.fsync_dir(path.parent)
     comm.barrier()
     return path
 
@@ -236,18 +236,18 @@ def save_dcp_checkpoint(comm: Communicator, run_dir: str | Path, step: int, mode
     if comm.rank == 0:
         files = {f"dcp/{p.name}": ckpt.file_sha256(p) for p in sorted((tmp / "dcp").iterdir())}
         for path in root.iterdir():  # what crashed saves left
-            if path != tmp and ckpt._LEFTOVER.fullmatch(path.name):
+            if path != tmp and ckpt.LEFTOVER.fullmatch(path.name):
                 shutil.rmtree(path, ignore_errors=True)
         meta = {"step": step, "world_size": comm.world_size, "shared": False,
                 "format": FORMAT, "files": files}
         ckpt.atomic_write_bytes(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-        ckpt._fsync_dir(tmp)
+        ckpt.fsync_dir(tmp)
         if final.exists():
-            ckpt._remove(final)
+            ckpt.remove_checkpoint(final)
         os.replace(tmp, final)
-        ckpt._fsync_dir(root)
+        ckpt.fsync_dir(root)
         ckpt.atomic_write_bytes(root / "latest", final.name.encode())
-        ckpt._prune(root, step, keep)
+        ckpt.prune_checkpoints(root, step, keep)
     comm.barrier()
     return final
 
@@ -264,9 +264,9 @@ def resume_dcp_checkpoint(comm: Communicator, run_dir: str | Path, model: nn.Mod
     _process_group(comm)
     problems: list[str] = []
     for path in [*ckpt.checkpoint_candidates(run_dir), None]:
-        step, status, error = -1, ckpt._OK, ""
+        step, status, error = -1, ckpt.FOUND_OK, ""
         if path is not None:
-            step = int(ckpt._STEP_DIR.fullmatch(path.name).group(1))  # type: ignore[union-attr]
+            step = int(ckpt.STEP_DIR.fullmatch(path.name).group(1))  # type: ignore[union-attr]
             try:
                 meta = ckpt.verify_checkpoint(path)
                 if meta.get("format", "gossamer") != FORMAT:
@@ -276,24 +276,24 @@ def resume_dcp_checkpoint(comm: Communicator, run_dir: str | Path, model: nn.Mod
                     raise ValueError(f"checkpoint {path} was written by {meta['world_size']} "
                                      f"workers; this run has {comm.world_size}")
             except ckpt.DamagedCheckpoint as exc:
-                status, error = ckpt._DAMAGED, str(exc)
+                status, error = ckpt.FOUND_DAMAGED, str(exc)
             except ValueError as exc:
-                status, error = ckpt._FATAL, str(exc)
+                status, error = ckpt.FOUND_FATAL, str(exc)
         gathered = comm.all_gather(torch.tensor([step, status], dtype=torch.int64))
-        ckpt._check_same_step("resume from", [int(t[0]) for t in gathered],
+        ckpt.check_same_step("resume from", [int(t[0]) for t in gathered],
                               {-1: "sees no checkpoint"})
         statuses = [int(t[1]) for t in gathered]
         if path is None:
             detail = "; ".join(problems) or f"run_dir {str(run_dir)!r} has none"
             raise ValueError(f"no DCP checkpoint of run_dir {str(run_dir)!r} verifies on every "
                              f"worker ({detail})")
-        if ckpt._FATAL in statuses:
+        if ckpt.FOUND_FATAL in statuses:
             raise ValueError(error or f"checkpoint {path} does not fit this run (see rank "
-                             f"{statuses.index(ckpt._FATAL)}'s error)")
-        if ckpt._DAMAGED not in statuses:
+                             f"{statuses.index(ckpt.FOUND_FATAL)}'s error)")
+        if ckpt.FOUND_DAMAGED not in statuses:
             loaded_step, extra = load_dcp(path / "dcp", model, optimizer, comm)
             return loaded_step, extra
-        bad = [r for r, s in enumerate(statuses) if s == ckpt._DAMAGED]
+        bad = [r for r, s in enumerate(statuses) if s == ckpt.FOUND_DAMAGED]
         problems.append(f"{path.name} fails on rank(s) {bad}" + (f" ({error})" if error else ""))
         if comm.rank == 0 or error:
             warnings.warn(f"checkpoint {problems[-1]}; falling back to the previous complete "
