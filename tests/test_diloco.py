@@ -446,9 +446,11 @@ def test_state_dict_round_trip_continues_the_same_run():
 @pytest.mark.parametrize("stop", [2, 7, 10, 11])
 def test_a_state_saved_with_an_exchange_in_flight_resumes_the_same_run(stop):
     """Saved (through torch.save) while a fragment's exchange travels and loaded on every
-    worker into fresh objects, the exchange starts again at the next step with the vector
-    each worker sent and its errors as they were before: the same payloads, the same mean at
-    the scheduled step, and the run ends bit for bit where the uninterrupted one does."""
+    worker into fresh objects, the exchange starts again at once with the vector each worker
+    sent and its errors as they were before: the same payloads, the same mean at the
+    scheduled step, and the run ends bit for bit where the uninterrupted one does, having
+    counted the same bytes (what was sent before the save, in either exchange of the mean,
+    is sent again uncounted)."""
     import io
 
     # slots of 4 steps: fragment 0 in flight after steps 1 and 2, fragment 1 after 5 and 6,
@@ -486,13 +488,15 @@ def test_a_state_saved_with_an_exchange_in_flight_resumes_the_same_run(stop):
             opt.step()
         opt.finish()
         return (torch.cat([p.detach().flatten() for p in model.parameters()]), in_flight,
-                list(opt.runtime.fragment_syncs))
+                list(opt.runtime.fragment_syncs), comm.stats.total_bytes_sent)
 
     straight = SimWorld(N).run(worker, None)
     resumed = SimWorld(N).run(worker, stop)
-    for (a, _, syncs), (b, in_flight, syncs_too) in zip(straight, resumed, strict=True):
+    for (a, _, syncs, sent), (b, in_flight, syncs_too, sent_too) in zip(straight, resumed,
+                                                                        strict=True):
         assert in_flight
         assert torch.equal(a, b) and syncs == syncs_too == [2, 2]
+        assert sent_too == sent
 
 
 def test_the_averaging_options_apply_at_each_fragments_synchronisation():

@@ -43,8 +43,11 @@ class ScatteredMean:
     """
 
     def __init__(self, comm: Communicator, vector: torch.Tensor, codec: LowBit,
-                 residuals: dict[Any, torch.Tensor], key: Any) -> None:
+                 residuals: dict[Any, torch.Tensor], key: Any, counted_before: int = 0) -> None:
         self.comm, self.codec, self.residuals, self.key = comm, codec, residuals, key
+        #: the exchanges (1: the first, 2: both) whose messages were counted before, by a run
+        #: that saved this mean in flight: sent again uncounted
+        self.counted_before = counted_before
         n, me = comm.world_size, comm.rank
         self.numel = vector.numel()
         self.chunk = math.ceil(self.numel / n) if self.numel else 0
@@ -69,8 +72,15 @@ class ScatteredMean:
             self._reduce({})
             return
         # receives posted first: a message then lands in its buffer as it arrives
-        self.received = comm.exchange({}, self.others, recv_like=payloads[me])
-        self.sent = [comm.exchange({r: payloads[r] for r in self.others}, [])]
+        with self._counting(1):
+            self.received = comm.exchange({}, self.others, recv_like=payloads[me])
+            self.sent = [comm.exchange({r: payloads[r] for r in self.others}, [])]
+
+    def _counting(self, phase: int) -> contextlib.AbstractContextManager[Any]:
+        """Where exchange ``phase``'s messages were counted before: uncounted."""
+        if self.counted_before >= phase and isinstance(self.comm, CommunicatorBase):
+            return self.comm.uncounted()
+        return contextlib.nullcontext()
 
     def _residual(self, key: Any, like: torch.Tensor) -> torch.Tensor:
         residual = self.residuals.get(key)
@@ -96,8 +106,9 @@ class ScatteredMean:
         self.phase = 2
         if n == 1:
             return
-        self.gathered = self.comm.exchange({}, self.others, recv_like=payload)
-        self.sent.append(self.comm.exchange({r: payload for r in self.others}, []))
+        with self._counting(2):
+            self.gathered = self.comm.exchange({}, self.others, recv_like=payload)
+            self.sent.append(self.comm.exchange({r: payload for r in self.others}, []))
 
     def wait(self) -> torch.Tensor:
         """The mean (blocks, within the communicator's timeout)."""
@@ -124,8 +135,9 @@ class Exchange:
     sent_before: torch.Tensor | None  # its errors of the key before the exchange
     mean_before: torch.Tensor | None
     mean: ScatteredMean | None = None  # None: not started here (loaded from a state)
-    #: its first messages were sent, and counted, before a checkpoint: sent again uncounted
-    counted: bool = False
+    #: the exchanges of its mean sent, and counted, before a checkpoint (1: the first, 2:
+    #: both): sent again uncounted
+    counted: int = 0
 
 
 class MeanInFlight:
@@ -161,10 +173,8 @@ class MeanInFlight:
         assert exchange is not None
         if exchange.mean is None:
             self._restore_errors(exchange)
-            again = exchange.counted and isinstance(comm, CommunicatorBase)
-            with comm.uncounted() if again else contextlib.nullcontext():
-                exchange.mean = ScatteredMean(comm, exchange.vector, self.codec,
-                                              self.residuals, exchange.fragment)
+            exchange.mean = ScatteredMean(comm, exchange.vector, self.codec, self.residuals,
+                                          exchange.fragment, counted_before=exchange.counted)
         return exchange.mean
 
     def progress(self, comm: Communicator) -> None:
@@ -207,8 +217,10 @@ class MeanInFlight:
             self.residuals.items(), key=lambda item: repr(item[0]))]}
         if self.in_flight is not None:
             exchange = self.in_flight
+            phase = exchange.mean.phase if exchange.mean is not None else exchange.counted
             state["in_flight"] = {"fragment": exchange.fragment,
-                                  "vector": exchange.vector.clone()}
+                                  "vector": exchange.vector.clone(),
+                                  "phase": max(phase, exchange.counted)}
             for key, before in (("sent_before", exchange.sent_before),
                                 ("mean_before", exchange.mean_before)):
                 if before is not None:
@@ -229,5 +241,5 @@ class MeanInFlight:
 
             self.in_flight = Exchange(int(saved["fragment"]), saved["vector"].clone(),
                                       before("sent_before"), before("mean_before"),
-                                      counted=True)
+                                      counted=int(saved.get("phase", 1)))
             self.started(comm)
