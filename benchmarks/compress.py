@@ -100,17 +100,17 @@ def _torch_powersgd(matrix: torch.Tensor, rank: int):
     return run
 
 
-def speed(args: argparse.Namespace, results: Results) -> None:
+SLOW = {"topk", "powersgd", "torch-powersgd"}  # seconds each on a CPU: fewer repetitions
+
+
+def compressor_calls(x: torch.Tensor, names) -> tuple[dict, object]:
+    """One call each of the compressors ``names`` (of dgc, topk, randomk, qsgd, powersgd,
+    torch-powersgd) on the flat gradient ``x``, PowerSGD's on ``x`` as a matrix of 5000
+    columns (the first multiple of 5000 elements); and DGC's compressor (its last
+    selection)."""
     from gossamer.compress import QSGD, DGCCompressor, PowerSGD, RandomK, TopK
 
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit(f"--device cuda: CUDA is not available to this torch "
-                         f"({torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); "
-                         f"run on a machine with a GPU, or give --device cpu")
-    torch.set_num_threads(args.threads)
-    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)).to(args.device)
-    matrix = x.view(5120, 5000)
+    matrix = x[: x.numel() // 5000 * 5000].view(-1, 5000)
     dgc = DGCCompressor(ratio=DENSITY)
     topk = TopK(ratio=DENSITY)
     randomk = RandomK(ratio=DENSITY)
@@ -122,25 +122,30 @@ def speed(args: argparse.Namespace, results: Results) -> None:
         q = powersgd.next_round(p, "g")
         powersgd.decompress_sum(q, "g")
 
-    torch_powersgd = _torch_powersgd(matrix, rank=2)
-
-    methods = {
+    calls = {
         "dgc": lambda: dgc.compress(x, "g"),
         "topk": lambda: topk.compress(x, "g"),
         "randomk": lambda: randomk.compress(x, "g"),
         "qsgd": lambda: qsgd.compress(x, "g"),
         "powersgd": powersgd_round,
-        "torch-powersgd": torch_powersgd,
+        "torch-powersgd": _torch_powersgd(matrix, rank=2),
     }
-    methods = {name: fn for name, fn in methods.items() if name in args.methods}
-    floor = lambda: torch.aminmax(x)  # noqa: E731 - read every element once, write nothing
-    times: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
-    cpu: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
-    slow = {"topk", "powersgd", "torch-powersgd"}  # seconds each: fewer repetitions
+    return {name: fn for name, fn in calls.items() if name in names}, dgc
+
+
+def floor_call(x: torch.Tensor):
+    """The read-only one-pass floor: read every element of ``x`` once, write nothing."""
+    return lambda: torch.aminmax(x)
+
+
+def interleaved_times(floor, methods: dict, reps: int, slow_reps: int, cuda: bool
+                      ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and CPU seconds of ``floor`` and each of ``methods`` (name -> call), after one
+    warm-up call each, every method's call right after one of the floor's, ``reps`` times
+    (``slow_reps`` for the names in ``SLOW``). With ``cuda``: wall seconds from an idle
+    device to the end of the call's kernels (the CPU times, meaningless there, are 0)."""
 
     def timed(fn) -> tuple[float, float]:
-        """On the GPU: wall seconds from an idle device to the end of ``fn``'s kernels (the
-        thread's CPU time, meaningless there, is returned as 0)."""
         if not cuda:
             return _timed(fn)
         torch.cuda.synchronize()
@@ -153,14 +158,29 @@ def speed(args: argparse.Namespace, results: Results) -> None:
         fn()
     if cuda:
         torch.cuda.synchronize()
-    for rep in range(args.reps):
+    times: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
+    cpu: dict[str, list[float]] = {name: [] for name in ["floor", *methods]}
+    for rep in range(reps):
         for name, fn in methods.items():
-            if name in slow and rep >= args.slow_reps:
+            if name in SLOW and rep >= slow_reps:
                 continue
             for label, run in (("floor", floor), (name, fn)):
                 wall, used = timed(run)
                 times[label].append(wall)
                 cpu[label].append(used)
+    return times, cpu
+
+
+def speed(args: argparse.Namespace, results: Results) -> None:
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: CUDA is not available to this torch "
+                         f"({torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); "
+                         f"run on a machine with a GPU, or give --device cpu")
+    torch.set_num_threads(args.threads)
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)).to(args.device)
+    methods, dgc = compressor_calls(x, args.methods)
+    times, cpu = interleaved_times(floor_call(x), methods, args.reps, args.slow_reps, cuda)
     selection = dgc.last_selection
     rows = {}
     floor_med, floor_min = statistics.median(times["floor"]), min(times["floor"])
