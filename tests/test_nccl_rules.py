@@ -94,12 +94,12 @@ def train(comm, algorithm, pace: float) -> list[Call]:
         optimizer = gossamer.distribute(
             model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), algorithm, comm)
         g = torch.Generator().manual_seed(100 + comm.rank)
-        for _ in range(STEPS):
-            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        inputs = torch.randn(STEPS, 8, 16, generator=g)
+        labels = torch.randint(0, 4, (STEPS, 8), generator=g)
+        for x, y in zip(inputs, labels, strict=True):
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            if pace:
-                time.sleep(pace)
+            time.sleep(pace)  # the asynchronous methods' steps last a while
             optimizer.step()
         optimizer.finish()
     return recorder.calls
