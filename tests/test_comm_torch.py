@@ -585,17 +585,20 @@ def _posting_fails_as_gloo_fails() -> list[str]:
                           "[127.0.0.1]:4492")
     caught = []
     try:
-        for target, call in (
-                ("irecv", lambda: comm.exchange({}, [1 - comm.rank], recv_like=torch.zeros(4))),
-                ("isend", lambda: comm.exchange({1 - comm.rank: torch.zeros(4)}, [])),
-                ("all_reduce", lambda: comm.all_reduce(torch.zeros(4))),
-                ("all_reduce", lambda: comm.all_reduce_async(torch.zeros(4)))):
+        # an exchange posts its receives and sends in one batch_isend_irecv
+        for what, target, call in (
+                ("irecv", "batch_isend_irecv",
+                 lambda: comm.exchange({}, [1 - comm.rank], recv_like=torch.zeros(4))),
+                ("isend", "batch_isend_irecv",
+                 lambda: comm.exchange({1 - comm.rank: torch.zeros(4)}, [])),
+                ("all_reduce", "all_reduce", lambda: comm.all_reduce(torch.zeros(4))),
+                ("all_reduce", "all_reduce", lambda: comm.all_reduce_async(torch.zeros(4)))):
             with mock.patch.object(dist, target, side_effect=closed):
                 try:
                     call()
                 except CommError as exc:
                     named = "Connection closed" in str(exc)
-                    caught.append(f"{target}: {type(exc).__name__}: {named}")
+                    caught.append(f"{what}: {type(exc).__name__}: {named}")
         comm.barrier()
         return caught
     finally:

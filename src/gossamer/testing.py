@@ -36,11 +36,11 @@ import pickle
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import spawn as mp_spawn
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gossamer.comm.environment import (
     BACKEND_VARIABLE,
@@ -50,8 +50,11 @@ from gossamer.comm.environment import (
 )
 from gossamer.launch.supervisor import Supervisor
 
+if TYPE_CHECKING:
+    from gossamer.comm.recording import Recorder
+
 __all__ = ["FRESH_VARIABLE", "Failed", "close_pools", "collect", "destroy_process_group",
-           "free_port", "run_in_turn",
+           "free_port", "recording", "run_in_turn",
            "spawn_gloo", "state_tensors"]
 
 _LINGER = 10.0  # seconds the others get to report once one rank failed: they usually fail fast
@@ -408,6 +411,55 @@ def run_in_turn(
     finally:
         owner.close()
     return results
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorder]:
+    """Record this process's calls to ``torch.distributed`` and its P2PGroups' operations
+    (:class:`gossamer.comm.recording.Recorder`), for the checks of NCCL's rules.
+
+    The communication thread of :mod:`gossamer.patterns.overlap` tells the recorder what it
+    waits for: a job follows what its submitter did before submitting it, and
+    ``CommThread.wait`` follows what its jobs did (their vector clocks are merged).
+    """
+    from gossamer.comm.recording import Recorder
+    from gossamer.patterns.overlap import CommThread
+
+    recorder = Recorder()
+    submit, wait = CommThread.submit, CommThread.__dict__["wait"]
+    finished: dict[int, dict[str, dict[int, int]]] = {}  # id(job) -> its clock when done
+
+    def recorded_submit(self: CommThread, fn: Callable[..., Any], *args: Any) -> Any:
+        token, done = recorder.release(), {}
+
+        def job(*job_args: Any) -> Any:
+            recorder.acquire(token)
+            try:
+                return fn(*job_args)
+            finally:
+                done["clock"] = recorder.release()
+
+        future = submit(self, job, *args)
+        finished[id(future)] = done
+        return future
+
+    def recorded_wait(jobs: Sequence[Any]) -> None:
+        try:
+            wait.__func__(jobs)
+        finally:
+            for job in jobs:
+                done = finished.pop(id(job), {})
+                if "clock" in done:
+                    recorder.acquire(done["clock"])
+
+    CommThread.submit = recorded_submit  # type: ignore[method-assign]
+    CommThread.wait = staticmethod(recorded_wait)  # type: ignore[method-assign]
+    try:
+        with recorder.installed():
+            yield recorder
+    finally:
+        CommThread.submit = submit  # type: ignore[method-assign]
+        CommThread.wait = wait  # type: ignore[method-assign]
 
 
 def collect(results: Sequence[dict[Hashable, Any]], key: Hashable) -> list[Any]:

@@ -693,7 +693,8 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         recv_from: Sequence[int],
         recv_like: torch.Tensor | None = None,
     ) -> _Exchange:
-        """Post the sends and receives (isend/irecv) and return at once; see the protocol."""
+        """Post the sends and receives (isend/irecv, in one ``batch_isend_irecv``) and return
+        at once; see the protocol."""
         like = check_exchange(self._rank, self._world_size, sends, recv_from, recv_like)
         if self._group is None:
             raise ValueError(f"exchange on a closed communicator ({self!r})")
@@ -701,7 +702,7 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         label = f"exchange #{self._exchanges}"
         self._label = label
         peers = sorted(set(sends) | set(recv_from))
-        works, kept = [], []
+        ops, kept = [], []
         recvs: dict[int, torch.Tensor] = {}
         sentinels: dict[int, torch.Tensor] = {}
         deadline = time.perf_counter() + self._timeout
@@ -717,11 +718,16 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
                     sentinels[peer] = torch.randint(0, 256, (8,), dtype=torch.uint8,
                                                     generator=self._sentinel_rng)
                     _tail(buf).copy_(sentinels[peer])
-                works.append(dist.irecv(buf, self._global_ranks[peer], group=self._group))
+                ops.append(dist.P2POp(dist.irecv, buf, self._global_ranks[peer], self._group))
             for peer, t in sends.items():
                 buf = t if t.is_contiguous() else t.contiguous()
                 kept.append(buf)
-                works.append(dist.isend(buf, self._global_ranks[peer], group=self._group))
+                ops.append(dist.P2POp(dist.isend, buf, self._global_ranks[peer], self._group))
+            # One batch: NCCL posts it as one group call, so that two peers that swap
+            # messages cannot deadlock on the order of their sends and receives (each
+            # blocks its stream until its peer's matching call); gloo posts the operations
+            # one by one, in this order (receives first).
+            works = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as exc:  # a peer gone when posting: gloo's "Connection closed"
             raise self._failure(label, peers, exc, deadline, collective=False) from exc
         if self._counting:
