@@ -204,7 +204,8 @@ class ADPSGDRuntime(GossipRuntime):
         if n == 1 or not self.open:  # alone, or settled for good already (every worker alike)
             return
         self.open = False
-        counts = torch.zeros(n * n, dtype=torch.float64)
+        # on the parameters' device: the communicator's collectives take no other (NCCL)
+        counts = torch.zeros(n * n, dtype=torch.float64, device=self.flat.buffers[0].device)
         if self.active:
             for peer, sent in self.requests.items():
                 counts[self.comm.rank * n + peer] = sent

@@ -54,6 +54,7 @@ from torch import nn
 from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
+from gossamer.compress import draws
 from gossamer.options import option
 from gossamer.patterns.nonfinite import all_finite
 
@@ -118,20 +119,47 @@ def selection_seed(*numbers: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
-def select(config: SPARTA, step: int, sizes: list[int]) -> list[torch.Tensor]:
-    """The flat positions (int64, CPU) averaged at ``step`` in tensors of ``sizes`` elements,
-    the same on every worker (see the module docstring)."""
+def select(config: SPARTA, step: int, sizes: list[int],
+           device: torch.device | None = None) -> list[torch.Tensor]:
+    """The flat positions (int64, on ``device``: default the CPU) averaged at ``step`` in
+    tensors of ``sizes`` elements, the same on every worker (see the module docstring)."""
+    device = torch.device("cpu") if device is None else device
+    if not draws.on_host(device):
+        return counter_select(config, step, sizes, device)
     if config.selector == "random":
-        generator = torch.Generator().manual_seed(selection_seed(config.seed, step))
-        return [torch.nonzero(torch.rand(n, generator=generator) < config.fraction).flatten()
-                for n in sizes]
+        generator = torch.Generator(device).manual_seed(selection_seed(config.seed, step))
+        return [torch.nonzero(torch.rand(n, generator=generator, device=device)
+                              < config.fraction).flatten() for n in sizes]
     out = []
     for index, n in enumerate(sizes):
         parts = max(1, min(math.ceil(1 / config.fraction), n))
         cycle, part = divmod(step, parts)  # a tensor with fewer parts has shorter cycles
-        generator = torch.Generator().manual_seed(selection_seed(config.seed, cycle, index))
-        labels = torch.argsort(torch.rand(n, generator=generator)) % parts
+        generator = torch.Generator(device).manual_seed(
+            selection_seed(config.seed, cycle, index))
+        labels = torch.argsort(torch.rand(n, generator=generator, device=device)) % parts
         out.append(torch.nonzero(labels == part).flatten())
+    return out
+
+
+def counter_select(config: SPARTA, step: int, sizes: list[int], device: torch.device
+                   ) -> list[torch.Tensor]:
+    """:func:`select` from counter-based draws made on ``device``, the same on every device
+    (:mod:`gossamer.compress.draws`, seeded with the same :func:`selection_seed`): the
+    uniform draws are :func:`~gossamer.compress.draws.uniform`, the argsort of ``rand(n)`` is
+    :func:`~gossamer.compress.draws.permutation`. A partition's part is known in size
+    (``ceil((n - part) / P)`` places of the permutation), so it is read off the inverse
+    permutation without a look at the data; a random selection's size is the data's."""
+    if config.selector == "random":
+        seed = selection_seed(config.seed, step)
+        return [torch.nonzero(draws.uniform(seed, n, device) < config.fraction).flatten()
+                for n in sizes]
+    out = []
+    for index, n in enumerate(sizes):
+        parts = max(1, min(math.ceil(1 / config.fraction), n))
+        cycle, part = divmod(step, parts)
+        order = draws.permutation(selection_seed(config.seed, cycle, index), n, device)
+        # labels[i] = order[i] % parts: the places i with order[i] = part, part + P, ...
+        out.append(torch.argsort(order)[part::parts].sort().values)
     return out
 
 
@@ -165,7 +193,8 @@ class SPARTARuntime(Runtime):
     @torch.no_grad()
     def after_step(self) -> None:
         params = [p for _, p in self.named_parameters]
-        positions = select(self.config, self.step, [p.numel() for p in params])
+        device = params[0].device if params else None
+        positions = select(self.config, self.step, [p.numel() for p in params], device)
         # one all-reduce per dtype and device: the selected values of every tensor, packed
         kinds: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, Where, int]]] = {}
         for p, index in zip(params, positions, strict=True):

@@ -19,20 +19,22 @@ for a float64 model, so that a float64 model keeps its precision (float16 values
 and bf16 compressors narrow them on purpose).
 
 Randomness (random-k's indices, QSGD's rounding, PowerSGD's start, DGC's sample) is drawn from
-a ``torch.Generator`` seeded from ``(seed, tensor name, step)``: it does not depend on the order
-in which tensors are compressed, so DDP's buckets and gossamer's give the same result.
+``(seed, tensor name, step)`` (:meth:`Compressor.seed_parts`): it does not depend on the order
+in which tensors are compressed, so DDP's buckets and gossamer's give the same result. On the
+CPU it comes from a ``torch.Generator`` of that seed, on other devices from counter-based draws
+made there, the same on every device (:mod:`gossamer.compress.draws`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Literal
 
 import torch
 
+from gossamer.compress.draws import seed_value
 from gossamer.compress.payloads import Payload
 
 Aggregation = Literal["allreduce", "allgather", "sparse_allreduce"]
@@ -56,9 +58,7 @@ def seeded_generator(seed: int, *parts: object, device: torch.device | str = "cp
                      ) -> torch.Generator:
     """A generator seeded from ``seed`` and ``parts`` (a tensor's name, a step...): the same
     draws wherever and in whatever order it is made."""
-    text = "/".join(str(p) for p in (seed, *parts)).encode()
-    value = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-    return torch.Generator(device=device).manual_seed(value)
+    return torch.Generator(device=device).manual_seed(seed_value(seed, *parts))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,11 +148,20 @@ class Compressor(ABC):
     def generator(self, key: str, device: torch.device, *, per_worker: bool = False
                   ) -> torch.Generator:
         """The generator of ``key`` at this step (of this worker, with ``per_worker``)."""
-        seed = getattr(self, "seed", 0)
-        parts: tuple[object, ...] = (key, self.step)
+        return seeded_generator(*self.seed_parts(key, per_worker=per_worker), device=device)
+
+    def seed_parts(self, key: str, *, per_worker: bool = False) -> tuple[object, ...]:
+        """What seeds the draws of ``key`` at this step: the option ``seed``, the key, the
+        step (and this worker's index, with ``per_worker``); the generator's seed and the
+        counter-based draws' (:mod:`gossamer.compress.draws`) are made from it."""
+        parts: tuple[object, ...] = (getattr(self, "seed", 0), key, self.step)
         if per_worker:
             parts += (self._worker[0],)
-        return seeded_generator(seed, *parts, device=device)
+        return parts
+
+    def draw_seed(self, key: str, *, per_worker: bool = False) -> int:
+        """The seed of :mod:`gossamer.compress.draws`' counter-based draws of ``key``."""
+        return seed_value(*self.seed_parts(key, per_worker=per_worker))
 
     def state_dict(self) -> dict[str, Any]:
         """Per-tensor state to checkpoint (default: none)."""

@@ -46,8 +46,11 @@ class LowBit:
         if self.precision == "bfloat16":
             return x.detach().to(torch.bfloat16)
         q_max = _Q_MAX[self.precision]
-        peak = float(x.abs().max()) if x.numel() else 0.0
-        scale = torch.tensor([peak / q_max if peak > 0 else 1.0], dtype=torch.float32)
+        # the scale on x's device, read by nobody: peak / q_max in float64 (as a Python float
+        # would be), rounded to float32, or 1 for a zero or empty x
+        peak = x.detach().abs().amax().to(torch.float64) if x.numel() else \
+            x.new_zeros((), dtype=torch.float64)
+        scale = torch.where(peak > 0, peak / q_max, 1.0).to(torch.float32).view(1)
         q = torch.round(x.detach().float() / scale).clamp_(-q_max, q_max).to(torch.int16)
         if self.precision == "int8":
             data = q.to(torch.int8).view(torch.uint8)

@@ -44,7 +44,7 @@ def _padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 def _take(data: torch.Tensor, offset: int, count: int, dtype: torch.dtype
           ) -> tuple[torch.Tensor, int]:
     """``count`` elements of ``dtype`` at byte ``offset`` of ``data``; the next offset."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     size = count * itemsize
     chunk = data[offset : offset + size]
     if chunk.numel() != size:

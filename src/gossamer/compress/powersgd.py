@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from gossamer.checks import check_int
+from gossamer.compress import draws
 from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import LowRankPayload, Payload
 from gossamer.options import option
@@ -82,8 +83,11 @@ class PowerSGD(Compressor):
         r = min(self.rank, n, m)
         q = self._q.get(key) if self.warm_start else None
         if q is None or q.shape != (m, r):
-            generator = self.generator(key, torch.device("cpu"))
-            q = torch.randn(m, r, generator=generator).to(matrix.device, matrix.dtype)
+            if draws.on_host(matrix.device):
+                q = torch.randn(m, r, generator=self.generator(key, matrix.device),
+                                device=matrix.device).to(matrix.dtype)
+            else:  # the same start on every device (draws' docstring)
+                q = draws.normal(self.draw_seed(key), (m, r), matrix.device).to(matrix.dtype)
         self._pending[key] = [matrix, None]
         # (Q^T M^T)^T: BLAS is much faster this way round than M Q for a thin Q
         return LowRankPayload((q.T @ matrix.T).T.contiguous(), tensor.shape)

@@ -15,7 +15,9 @@ in [0, 1), fresh at every call. Each ``u_i`` is uniform on [0, 1) as in the pape
 paper's, the draws are not independent (positions ``2^16`` apart share one, nearer ones are
 distinct), which changes neither the expectation nor the variance of any element, so neither the
 paper's unbiasedness nor its variance bound, and costs 2^16 draws instead of one per element.
-The tensor is quantized in chunks that stay in the CPU's cache.
+On the CPU the tensor is quantized in chunks that stay in its cache; on another device in one
+pass, with counter-based draws made there (:mod:`gossamer.compress.draws`: the same on every
+device; the CPU keeps its generator's draws, so a CPU run rounds as it always has).
 
 Levels are packed at 2, 4, 8 or 16 bits (the fewest that hold ``2 s + 1`` values): ``s = 1``
 costs 2 bits per element, ``s <= 7`` 4 bits, ``s <= 127`` 8 bits. Payloads differ between
@@ -35,6 +37,7 @@ from typing import ClassVar
 import torch
 
 from gossamer.checks import check_int
+from gossamer.compress import draws
 from gossamer.compress.base import Aggregation, Compressor, value_dtype
 from gossamer.compress.payloads import Payload, QuantizedPayload
 from gossamer.options import option
@@ -47,10 +50,22 @@ CHUNK = 1 << 18  # elements quantized at a time (1 MiB of float32): its passes s
 def dither(numel: int, generator: torch.Generator) -> torch.Tensor:
     """The uniform draws of QSGD's rounding, float64: ``(pi(i) + v) / p`` for ``i < p``,
     ``p = min(numel, 2^16)``, ``pi`` a random permutation of ``0..p-1`` and ``v`` a random shift
-    in [0, 1) (drawn in that order from ``generator``). Position ``i`` uses draw ``i mod p``."""
+    in [0, 1) (drawn in that order from ``generator``, on its device). Position ``i`` uses
+    draw ``i mod p``."""
     period = max(1, min(numel, DITHER_PERIOD))
-    perm = torch.randperm(period, generator=generator, dtype=torch.float64)
-    shift = torch.rand((), generator=generator, dtype=torch.float64)
+    perm = torch.randperm(period, generator=generator, dtype=torch.float64,
+                          device=generator.device)
+    shift = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device)
+    return perm.add_(shift).div_(period)
+
+
+def counter_dither(numel: int, seed: int, device: torch.device) -> torch.Tensor:
+    """:func:`dither` from counter-based draws on ``device`` (the same on every device):
+    ``pi`` is :func:`gossamer.compress.draws.permutation` and ``v`` the first
+    :func:`gossamer.compress.draws.uniform` of stream 1."""
+    period = max(1, min(numel, DITHER_PERIOD))
+    perm = draws.permutation(seed, period, device).to(torch.float64)
+    shift = draws.uniform(seed, 1, device, stream=1)
     return perm.add_(shift).div_(period)
 
 
@@ -128,12 +143,15 @@ class QSGD(Compressor):
         norms = flat.new_zeros(max(1, math.ceil(numel / d)))
         codes = torch.empty(numel, dtype=torch.uint8 if self.bits <= 8 else torch.int16,
                             device=flat.device)
-        generator = self.generator(key, torch.device("cpu"), per_worker=True)
-        draws = dither(numel, generator)
-        period = draws.numel()
+        if draws.on_host(flat.device):
+            uniforms = dither(numel, self.generator(key, flat.device, per_worker=True))
+            chunk = d * max(1, CHUNK // d)  # in the CPU's cache
+        else:  # one pass over the whole tensor, with the same draws on every device
+            uniforms = counter_dither(numel, self.draw_seed(key, per_worker=True), flat.device)
+            chunk = d * max(1, -(-numel // d))
+        period = uniforms.numel()
         # s + u_i, repeated so that any chunk reads its draws as one slice
-        chunk = d * max(1, CHUNK // d)
-        offset = (draws + s).to(flat.device, flat.dtype).repeat(-(-(period + chunk) // period))
+        offset = (uniforms + s).to(flat.dtype).repeat(-(-(period + chunk) // period))
         work = flat.new_empty(chunk)
         whole = torch.empty(chunk, dtype=torch.int32, device=flat.device)
         for start in range(0, numel, chunk):

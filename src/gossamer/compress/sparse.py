@@ -26,6 +26,7 @@ from typing import ClassVar
 import torch
 
 from gossamer.checks import check_int
+from gossamer.compress import draws
 from gossamer.compress.base import Aggregation, Compressor, check_ratio, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 from gossamer.options import option
@@ -122,16 +123,18 @@ def distinct_draws(numel: int, count: int, generator: torch.Generator) -> torch.
     the last. The work is about ``count`` draws and their sort, whatever ``numel``: cheap
     while ``count`` is a small part of it.
     """
-    values = torch.empty(0, dtype=torch.int64)
+    device = generator.device
+    values = torch.empty(0, dtype=torch.int64, device=device)
     while values.numel() < count:
         have, need = values.numel(), count - values.numel()
         batch = need + need * (have + need) // max(1, numel - have - need) + 16
         values = torch.unique(torch.cat([values, torch.randint(numel, (batch,),
-                                                               generator=generator)]))
+                                                               generator=generator,
+                                                               device=device)]))
     extra = values.numel() - count
     if extra:
-        keep = torch.ones(values.numel(), dtype=torch.bool)
-        keep[torch.randperm(values.numel(), generator=generator)[:extra]] = False
+        keep = torch.ones(values.numel(), dtype=torch.bool, device=device)
+        keep[torch.randperm(values.numel(), generator=generator, device=device)[:extra]] = False
         values = values[keep]
     return values
 
@@ -145,16 +148,16 @@ def random_positions(numel: int, k: int, generator: torch.Generator) -> torch.Te
     ``torch.randperm(numel)``, cheaper than sorting that many draws. Nothing is drawn at
     ``k == numel``.
     """
-    m = min(k, numel - k)
+    m, device = min(k, numel - k), generator.device
     if m == 0:
-        return torch.arange(k)
+        return torch.arange(k, device=device)
     if 4 * m <= numel:
         drawn = distinct_draws(numel, m, generator)
         if m == k:
             return drawn
     else:
-        drawn = torch.randperm(numel, generator=generator)[:m]
-    chosen = torch.full((numel,), m != k, dtype=torch.bool)
+        drawn = torch.randperm(numel, generator=generator, device=device)[:m]
+    chosen = torch.full((numel,), m != k, dtype=torch.bool, device=device)
     chosen[drawn] = m == k  # the positions drawn are those sent, or those left out
     return chosen.nonzero().view(-1)
 
@@ -165,8 +168,10 @@ class RandomK(SparseCompressor):
     k-subset, the same on every worker and new at every step (only the values are sent, and
     they are all-reduced).
 
-    The positions are drawn without replacement (:func:`random_positions`) from the generator
-    of ``(seed, tensor name, step)``.
+    The positions are drawn without replacement from ``(seed, tensor name, step)``: on the
+    CPU by :func:`random_positions` from the CPU generator of that seed, on any other device by
+    :func:`gossamer.compress.draws.subset` on the device itself, the same on every GPU
+    (:mod:`gossamer.compress.draws`; the workers of a job compute on one kind of device).
 
     Args:
         ratio: fraction of the elements sent, in (0, 1] (default 0.01).
@@ -187,7 +192,9 @@ class RandomK(SparseCompressor):
         flat = tensor.detach().reshape(-1)
         numel = flat.numel()
         k = selected_count(self.ratio, numel)
-        indices = random_positions(numel, k, self.generator(key, torch.device("cpu")))
-        indices = indices.to(flat.device)
+        if draws.on_host(flat.device):
+            indices = random_positions(numel, k, self.generator(key, flat.device))
+        else:
+            indices = draws.subset(self.draw_seed(key), numel, k, flat.device)
         return SharedIndexPayload(indices, flat.index_select(0, indices).to(
             value_dtype(flat.dtype)), tensor.shape)

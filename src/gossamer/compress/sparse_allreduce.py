@@ -188,7 +188,7 @@ def sparse_allreduce(comm: Communicator, payloads: Sequence[SparsePayload], targ
     # 3. split and reduce: byte counts, then the entries, to each owner
     messages = {j: mine[j].to_bytes() for j in range(n) if j != me and counts[j]}
     nbytes = 4 * (n - 1) + sum(m.numel() for m in messages.values())
-    incoming = _byte_counts(comm, messages)
+    incoming = _byte_counts(comm, messages, device)
     handles: list[tuple[int, Handle]] = []
     for step in range(1, n):  # Ok-Topk's destination rotation: step s, to me + s
         dst, src = (me + step) % n, (me - step) % n
@@ -252,17 +252,19 @@ def all_gather_with_flags(comm: Communicator, packed: torch.Tensor,
     return [data[:-tail] for data in gathered]
 
 
-def _byte_counts(comm: Communicator, messages: dict[int, torch.Tensor]) -> list[int]:
+def _byte_counts(comm: Communicator, messages: dict[int, torch.Tensor], device: torch.device
+                 ) -> list[int]:
     """Tell each peer how many bytes this worker sends it (0: none); return what each peer
-    sends here (this worker's own entry is 0)."""
+    sends here (this worker's own entry is 0). The counts travel on ``device``, the
+    payloads' (a communicator may take no other: NCCL)."""
     n, me = comm.world_size, comm.rank
     incoming = [0] * n
     if n == 1:
         return incoming
     peers = [j for j in range(n) if j != me]
-    sizes = {j: torch.tensor([messages[j].numel() if j in messages else 0], dtype=torch.int32)
-             for j in peers}
-    got = comm.exchange(sizes, peers, torch.empty(1, dtype=torch.int32)).wait()
+    sizes = {j: torch.tensor([messages[j].numel() if j in messages else 0], dtype=torch.int32,
+                             device=device) for j in peers}
+    got = comm.exchange(sizes, peers, torch.empty(1, dtype=torch.int32, device=device)).wait()
     for j in peers:
         incoming[j] = int(got[j].item())
     return incoming

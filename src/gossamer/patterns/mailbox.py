@@ -172,7 +172,8 @@ class StampedMailbox:
         out), in rank order."""
         payload = x.view(torch.uint8)
         for m in sorted(set(peers) - {self.comm.rank}):
-            trailer = torch.tensor([self.taken[m], kind, *fields]).view(torch.uint8)
+            trailer = torch.tensor([self.taken[m], kind, *fields],
+                                   device=x.device).view(torch.uint8)
             self.outbox[m].add(self.comm.exchange({m: torch.cat([payload, trailer])}, []))
             self.outbox[m].release(self.acked[m] + self.window)
 
