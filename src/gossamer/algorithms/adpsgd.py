@@ -52,7 +52,7 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.gossip import GossipAlgorithm, GossipRuntime
-from gossamer.comm.base import Communicator, Handle
+from gossamer.comm.base import Communicator, Handle, control_device
 from gossamer.patterns.mailbox import Inbox, Outbox
 from gossamer.topology import Topology
 
@@ -205,7 +205,8 @@ class ADPSGDRuntime(GossipRuntime):
             return
         self.open = False
         # on the parameters' device: the communicator's collectives take no other (NCCL)
-        counts = torch.zeros(n * n, dtype=torch.float64, device=self.flat.buffers[0].device)
+        counts = torch.zeros(n * n, dtype=torch.float64,
+                             device=control_device(self.flat.buffers[0].device))
         if self.active:
             for peer, sent in self.requests.items():
                 counts[self.comm.rank * n + peer] = sent

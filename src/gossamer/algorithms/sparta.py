@@ -53,7 +53,7 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm, Runtime
 from gossamer.checks import check_int
-from gossamer.comm.base import Communicator
+from gossamer.comm.base import Communicator, control_device
 from gossamer.compress import draws
 from gossamer.options import option
 from gossamer.patterns.nonfinite import all_finite
@@ -193,7 +193,8 @@ class SPARTARuntime(Runtime):
     @torch.no_grad()
     def after_step(self) -> None:
         params = [p for _, p in self.named_parameters]
-        device = params[0].device if params else None
+        # (the timing-only simulator's parameters are shapes only: positions drawn on the CPU)
+        device = control_device(params[0].device) if params else None
         positions = select(self.config, self.step, [p.numel() for p in params], device)
         # one all-reduce per dtype and device: the selected values of every tensor, packed
         kinds: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, Where, int]]] = {}

@@ -68,6 +68,14 @@ class CommTimeoutError(CommError):
 
 
 
+def control_device(device: torch.device) -> torch.device:
+    """Where a method keeps the small tensors of its protocol (stamps, counts) that travel
+    with its payloads: the payloads' device (a collective takes one device only, on NCCL),
+    but the CPU where the payloads are shapes only (the timing-only simulator's ``meta``
+    tensors, whose values the protocol still needs)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def without_grad(fn: Callable[..., object], *args: object) -> object:
     """``fn(*args)`` with autograd off (on this thread: the mode is per thread), then the
     mode as it was. What ``torch.no_grad()`` does, through torch's own switch: the context

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from gossamer.comm.base import Communicator, Handle
+from gossamer.comm.base import Communicator, Handle, control_device
 
 __all__ = ["CLOSE", "Inbox", "Outbox", "StampedMailbox"]
 
@@ -173,7 +173,7 @@ class StampedMailbox:
         payload = x.view(torch.uint8)
         for m in sorted(set(peers) - {self.comm.rank}):
             trailer = torch.tensor([self.taken[m], kind, *fields],
-                                   device=x.device).view(torch.uint8)
+                                   device=control_device(x.device)).view(torch.uint8)
             self.outbox[m].add(self.comm.exchange({m: torch.cat([payload, trailer])}, []))
             self.outbox[m].release(self.acked[m] + self.window)
 
