@@ -360,6 +360,7 @@ def gloo_adpsgd(steps: int):
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_adpsgd_runs_asynchronously_on_gloo():
     from gossamer.testing import spawn_gloo
 

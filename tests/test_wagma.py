@@ -363,6 +363,7 @@ def gloo_wagma(steps: int):
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_wagma_does_not_wait_for_the_straggler_on_gloo():
     from gossamer.testing import spawn_gloo
 
