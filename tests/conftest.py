@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 # The models under test are small: one thread is as fast, and OpenMP threads spinning on a
@@ -16,3 +17,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # and every process a test starts: a dead peer is noticed and named in half the time. What a
 # job runs with is tested too (tests/test_liveness.py runs a diagnosis at the defaults).
 os.environ.setdefault("GOSSAMER_LIVENESS_SCALE", "0.5")
+
+
+@pytest.fixture(autouse=True)
+def _timing_tests_run_alone(request, tmp_path_factory):
+    """Under pytest-xdist (scripts/test), a ``timing`` test runs while no other test runs: its
+    processes must each get the CPU within seconds (short timeouts, wall-clock ratios), which
+    another worker's processes on the same 2 cores would take. Every other test holds a shared
+    lock on a file of the run, a timing test an exclusive one."""
+    if not hasattr(request.config, "workerinput"):  # one process: the tests run one at a time
+        yield
+        return
+    import fcntl
+
+    # the workers' base directories share this parent, which is new for each run
+    path = tmp_path_factory.getbasetemp().parent / "timing.lock"
+    with open(path, "a") as lock:
+        exclusive = request.node.get_closest_marker("timing") is not None
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield

@@ -7,14 +7,14 @@ import re
 from pathlib import Path
 
 import pytest
+from default_runs import default_run
 
 from gossamer.cli import main, summary_text
 from gossamer.train.config import TrainConfig
-from gossamer.train.run import run_training
 
 
 def test_default_training_reaches_90_percent_on_digits():
-    result = run_training(TrainConfig(sim=4, quiet=True))
+    result = default_run("allreduce")
     assert result["eval_accuracy"] >= 0.90
     assert result["world_size"] == 4
     assert result["bytes_sent"] > 0

@@ -347,6 +347,7 @@ def test_states_travel_as_json_and_tensors_with_their_key_types():
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_path, capsys):
     out = tmp_path / "result.json"
     code = launch(["--algorithm", "sgp", *RUN, "--fault", CRASH, "--on-failure", "continue",
@@ -365,6 +366,7 @@ def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 @pytest.mark.parametrize("algorithm", ["streaming-diloco", "adpsgd", "wagma", "gossipgrad"])
 def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simulator(
         algorithm, tmp_path, capsys):
@@ -397,6 +399,7 @@ def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simul
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_gloo_kill_9_then_the_restarted_worker_rejoins_with_a_live_peers_state(tmp_path):
     # local SGD; rank 2 is killed with SIGKILL from outside after step 20 and restarted. The
     # kill lands at a step that varies from run to run, and so does the result: twice the

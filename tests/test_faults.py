@@ -418,6 +418,7 @@ def _train_processes(tmp_path: Path, n: int, *args: str) -> list[subprocess.Pope
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 @pytest.mark.parametrize("kind", ["crash", "hang"])
 def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None:
     timeout = 5.0
@@ -491,6 +492,7 @@ def _suspects(message: str) -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_the_store_host_dying_first_is_the_only_one_blamed(tmp_path: Path) -> None:
     """Rank 0 hosts the heartbeat store; when it dies, the survivors cannot read anyone's
     heartbeat, and must blame rank 0 alone, without the store client's C++ stack frames."""
@@ -502,6 +504,7 @@ def test_the_store_host_dying_first_is_the_only_one_blamed(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_a_survivor_that_left_first_is_not_blamed(tmp_path: Path) -> None:
     """Rank 1 dies; rank 0 (the store's host) diagnoses first and exits. A survivor that
     diagnoses later (a timeout after rank 0 left) must still blame rank 1 alone, and say how

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from default_runs import default_run
 from torch import nn
 
 import gossamer
@@ -18,8 +19,6 @@ from gossamer.topology import (
     random_regular,
     ring,
 )
-from gossamer.train.config import TrainConfig
-from gossamer.train.run import run_training
 
 # ---------------------------------------------------------------------------- push-sum
 
@@ -331,7 +330,7 @@ def test_bad_input_from_the_command_line(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["sgp", "osgp", "dpsgd", "adpsgd"])
 def test_train_reaches_85_percent_on_digits(name):
-    result = run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
+    result = default_run(name)
     assert result["eval_accuracy"] >= 0.85
     assert result["bytes_sent"] > 0
 
@@ -361,6 +360,7 @@ def gloo_adpsgd(steps: int):
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_adpsgd_runs_asynchronously_on_gloo():
     from gossamer.testing import spawn_gloo
 

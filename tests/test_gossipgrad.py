@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from default_runs import default_run
 from torch import nn
 
 import gossamer
@@ -16,8 +17,6 @@ from gossamer.comm import SimWorld
 from gossamer.hooks import GossipGraDState, gossipgrad_hook
 from gossamer.patterns.pairwise import GradientGossip
 from gossamer.topology import GossipGradSchedule
-from gossamer.train.config import TrainConfig
-from gossamer.train.run import run_training
 
 # ---------------------------------------------------------------------------- the schedule
 
@@ -406,7 +405,7 @@ def test_bad_input_from_the_command_line(capsys):
 
 @pytest.mark.slow
 def test_train_reaches_85_percent_on_digits():
-    result = run_training(TrainConfig(sim=4, algorithm="gossipgrad", quiet=True))
+    result = default_run("gossipgrad")
     assert result["eval_accuracy"] >= 0.85
     assert result["bytes_sent"] > 0
 

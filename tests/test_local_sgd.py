@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from default_runs import default_run
 from torch import nn
 
 import gossamer
@@ -225,10 +226,10 @@ def test_bad_input(kwargs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["localsgd", "qsr"])
 def test_train_on_digits(name):
-    result = run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
+    result = default_run(name)
     assert result["eval_accuracy"] >= 0.85
     # fewer bytes than AllReduce: not every step averages
-    reference = run_training(TrainConfig(sim=4, algorithm="allreduce", quiet=True))
+    reference = default_run("allreduce")
     assert result["bytes_sent"] < reference["bytes_sent"] / 1.5
 
 

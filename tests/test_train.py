@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from default_runs import default_run
 from resume_helpers import crash_at as _crash_at
 
 import gossamer.train.loop as loop
@@ -363,8 +364,7 @@ def test_compare_default_set_learns_the_default_task():
     left_out = sorted(set(available()) - set(chosen))
     assert left_out == ["demo", "gossipgrad", "randomk"] and all(lookup(name).needs
                                                                  for name in left_out)
-    accuracy = {name: run_training(TrainConfig(sim=4, algorithm=name, quiet=True))
-                ["eval_accuracy"] for name in chosen}
+    accuracy = {name: default_run(name)["eval_accuracy"] for name in chosen}
     for name in chosen:
         assert accuracy[name] >= accuracy["allreduce"] - 0.02, (name, accuracy)
     needs = run_training(TrainConfig(sim=4, algorithm="randomk", quiet=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from default_runs import default_run
 from torch import nn
 
 import gossamer
@@ -193,7 +194,7 @@ def test_bad_group_size_fails_before_any_worker_starts():
 
 @pytest.mark.slow
 def test_train_on_digits():
-    result = run_training(TrainConfig(sim=4, algorithm="wagma", quiet=True))
+    result = default_run("wagma")
     assert result["eval_accuracy"] >= 0.85
 
 
@@ -362,6 +363,7 @@ def gloo_wagma(steps: int):
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing
 def test_wagma_does_not_wait_for_the_straggler_on_gloo():
     from gossamer.testing import spawn_gloo
 
