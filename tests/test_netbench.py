@@ -188,6 +188,7 @@ def _sleeping_steps(sleep: float) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.gloo
+@pytest.mark.timing  # its sleeps are measured against the wall clock within 2 ms
 def test_the_steps_can_sleep_in_place_of_the_forward_and_backward():
     _benchmarks_importable()
     from benchmarks.netbench_tasks import training_steps

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gossamer.algorithms import AllReduce, CompressionPreset
 from gossamer.algorithms.registry import available, lookup
 from gossamer.topology.builders import TOPOLOGIES
 from gossamer.train.config import TrainConfig
@@ -66,8 +67,12 @@ def _value(field: str, tp: typing.Any) -> st.SearchStrategy:
 def algorithm_options(draw: st.DrawFn) -> tuple[str, dict[str, typing.Any]]:
     name = draw(st.sampled_from(available()))
     cls = lookup(name)
-    hints = typing.get_type_hints(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.init and f.name not in NOT_DRAWN]
+    # a preset (dgc, topk, ...): its compressor's options and AllReduce's it offers
+    parts = [(cls.compression, None), (AllReduce, cls.allreduce_options)] if isinstance(
+        cls, CompressionPreset) else [(cls, None)]
+    hints = {k: v for part, _ in parts for k, v in typing.get_type_hints(part).items()}
+    fields = [f for part, only in parts for f in dataclasses.fields(part)
+              if f.init and f.name not in NOT_DRAWN and (only is None or f.name in only)]
     chosen = draw(st.lists(st.sampled_from(fields), unique_by=lambda f: f.name, max_size=3)) \
         if fields else []
     options = {f.name: draw(_value(f.name, hints[f.name])) for f in chosen}
