@@ -67,8 +67,13 @@ def _exact_life(comm) -> dict:
     alone = first.phase  # on rank 0: 1, the first exchange has not arrived
     if not comm.rank:
         barrier = _barrier(comm)
+    # one mean in flight at a time: a worker whose first mean already reached its all-gather
+    # would otherwise send that before the second's chunks, and point-to-point messages
+    # match in the order they are posted
+    means = [first.wait()]
     second = ScatteredMean(comm, _vector(comm.rank, 1), LowBit("float32"), residuals, key=0)
-    return {"means": [first.wait(), second.wait()], "alone": alone,
+    means.append(second.wait())
+    return {"means": means, "alone": alone,
             "errors": _errors(residuals), "traffic": _since(comm, before), "barrier": barrier}
 
 
@@ -144,8 +149,12 @@ def _drop_life(comm) -> dict:
         means.progress(comm)
         assert means.in_flight is not None and not _same_errors(kept, means.residuals)
         means.drop()
-        errors.append((kept, _errors(means.residuals), means.in_flight))
+        after = _errors(means.residuals)
+        errors.append((kept, after, means.in_flight))
         orphan.wait()  # its messages (a failed communicator's would be lost with it)
+        # drained only: what it wrote of its errors as it completed, when it had not before
+        # the drop (on gloo, as its messages happened to arrive), is not the pattern's
+        means.residuals = _errors(after)
     return {"errors": errors, "traffic": _since(comm, before)}
 
 

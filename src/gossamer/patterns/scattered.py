@@ -40,6 +40,11 @@ class ScatteredMean:
     planner (:mod:`gossamer.comm.mirror`). ``residuals`` (a dict kept by the caller) holds
     each worker's encoding errors, added to what it next encodes under the same key:
     ``(key, "sent")`` for the whole vector, ``(key, "mean")`` for the chunk it owns.
+
+    One mean at a time over a communicator (:class:`MeanInFlight` keeps it so): messages
+    between two workers match in the order they are posted, so a worker whose first mean has
+    reached its all-gather would send that before a second mean's chunks, which another
+    worker's receives of the second mean would take.
     """
 
     def __init__(self, comm: Communicator, vector: torch.Tensor, codec: LowBit,
