@@ -282,6 +282,7 @@ def nccl(s: Settings, part: Part) -> None:
                 optimizer.step()
             optimizer.finish()
             ran.append("distribute allreduce, 3 steps")
+            _side_streams(comm, device, part, ran)
             part.data.update(backend=comm.backend, device=str(device),
                              operations=dict(comm.stats.operations))
         finally:
@@ -294,6 +295,76 @@ def nccl(s: Settings, part: Part) -> None:
                 os.environ[key] = value
     part.data["ran"] = ran
     part.summary = f"{backend}, one rank: {len(ran)} operations ran ({', '.join(ran)})"
+
+
+def _side_stream_steps(comm, device: torch.device, train: Callable[[nn.Module], None]
+                       ) -> list[torch.Tensor]:
+    """A 4-layer MLP (several buckets) after ``train``, its parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).to(device)
+    train(model)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _batches(device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1)
+    return [(torch.randn(64, 256, device=device), torch.randn(64, 256, device=device))
+            for _ in range(3)]
+
+
+def _side_streams(comm, device: torch.device, part: Part, ran: list[str]) -> None:
+    """The overlapped buckets' jobs on their side stream (patterns/overlap.py's SideStream):
+    top-k through ``distribute`` overlapped against not overlapped, and DDP's compression hook
+    against the same hook waited for and synchronised before it returns: the same bits, unless
+    a job reads a gradient before it is written or the step reads a result before it is."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gossamer.algorithms import create
+    from gossamer.api import distribute
+    from gossamer.hooks import TopKState, compression_hook
+
+    def through_distribute(overlap: bool) -> Callable[[nn.Module], None]:
+        def train(model: nn.Module) -> None:
+            optimizer = distribute(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   create("topk", {"ratio": 0.1, "overlap": overlap,
+                                                   "bucket_mb": 0.3}), comm)
+            for x, y in _batches(device):
+                optimizer.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                optimizer.step()
+            optimizer.finish()
+        return train
+
+    def through_ddp(blocking: bool) -> Callable[[nn.Module], None]:
+        def hook(state, bucket):
+            if not blocking:
+                return compression_hook(state, bucket)
+            synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+            synchronize(device)
+            future = compression_hook(state, bucket)
+            future.wait()
+            synchronize(device)
+            return future
+
+        def train(model: nn.Module) -> None:
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.3)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            ddp.register_comm_hook(TopKState(ddp, ratio=0.1, comm=comm), hook)
+            for x, y in _batches(device):
+                optimizer.zero_grad()
+                F.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+        return train
+
+    checks = (("distribute topk: overlapped = not", through_distribute(True),
+               through_distribute(False)),
+              ("DDP topk hook = the hook waited for", through_ddp(False), through_ddp(True)))
+    for label, fast, reference in checks:
+        got, want = (_side_stream_steps(comm, device, train) for train in (fast, reference))
+        ran.append(label)
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            worst = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
+            part.problem(f"{label}: parameters differ by up to {worst:.3g}")
 
 
 def _amp_worker(comm, algorithm, device: str, dtype: torch.dtype, steps: int) -> dict:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from gossamer.comm.base import Communicator
 from gossamer.patterns.nonfinite import NonFiniteError
-from gossamer.patterns.overlap import CommThread, overlaps
+from gossamer.patterns.overlap import CommThread, SideStream, overlaps
 
 __all__ = ["HookState"]
 
@@ -71,6 +71,7 @@ class HookState:
         self.buckets = 0  # buckets reduced, all steps together
         self.skipped_steps = 0  # iterations that overflowed under the scaler
         self._thread: CommThread | None = None  # started with the first bucket that overlaps
+        self._side: SideStream | None = None  # the thread's stream, on a GPU
 
     @property
     def comm(self) -> Communicator:
@@ -117,7 +118,11 @@ class HookState:
         """
         buffer, grads, params = bucket.buffer(), bucket.gradients(), bucket.parameters()
         last = bucket.is_last()
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        # on a GPU, a future that records the stream its result was set on (the job's), so that
+        # DDP's wait orders its own stream after that work
+        cuda = buffer.device.type == "cuda" and overlaps(self.comm)
+        future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[buffer.device]) if cuda else torch.futures.Future())
 
         def job() -> torch.Tensor:
             reduce(buffer, grads, params)
@@ -136,7 +141,9 @@ class HookState:
 
         if self._thread is None:
             self._thread = CommThread()
-        self._thread.submit(on_thread)
+        if self._side is None:  # on a GPU the jobs run on a stream of their own
+            self._side = SideStream(buffer.device)
+        self._thread.submit(self._side.run, self._side.handoff(), on_thread)
         return future
 
     def _count(self, last: bool) -> None:

@@ -105,6 +105,45 @@ class CommThread:
                 raise error
 
 
+class SideStream:
+    """Where a :class:`CommThread`'s jobs run when the model is on a CUDA device: a stream of
+    their own, so that compression and its collectives overlap backward's kernels rather than
+    queue behind them on one stream. A job starts after the work its caller queued before
+    handing it over (an event recorded on the caller's stream, :meth:`handoff`), and the
+    caller's stream waits for every job's work before it reads the results (:meth:`join`).
+    Elsewhere (the CPU, the meta device of timing-only runs) there is nothing to order: a job's
+    operations run when its thread runs them.
+
+    (:class:`GradientBuckets` needs none: an ``all_reduce_async`` of NCCL runs on the process
+    group's own stream, ordered after the caller's, and its handle's ``wait`` orders the
+    caller's stream after it.)"""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def handoff(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the current stream (None: not CUDA)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        return event
+
+    def run(self, ready: torch.cuda.Event | None, fn: Callable[..., object],
+            *args: object) -> object:
+        """``fn(*args)`` on the side stream, after ``ready`` (a :meth:`handoff`'s event)."""
+        if self.stream is None:
+            return fn(*args)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            return fn(*args)
+
+    def join(self) -> None:
+        """Order the current stream after everything queued on the side stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
 class BackwardSchedule:
     """Buckets of parameters, and the hooks that start them, in order, during backward.
 
@@ -359,6 +398,8 @@ class ThreadedBuckets(BackwardSchedule):
     def __init__(self, named: NamedParameters, bucket_of: Sequence[int], overlap: bool) -> None:
         super().__init__(named, bucket_of, overlap)
         self.thread = CommThread() if overlap else None
+        #: where the thread's jobs run on a GPU (the model's first parameter's device)
+        self.side = SideStream(self.params[0].device if self.params else torch.device("cpu"))
         self.scaled = False
         self._jobs: list[Future] = []
         self._found: list[str] = []  # this step's non-finite gradients, described
@@ -405,11 +446,14 @@ class ThreadedBuckets(BackwardSchedule):
     def _start(self, bucket: int) -> None:
         """Prepare bucket ``bucket`` here, and send it on the communication thread."""
         assert self.thread is not None
-        self._jobs.append(self.thread.submit(self._send, *self._prepare(bucket)))
+        args = self._prepare(bucket)
+        self._jobs.append(self.thread.submit(self.side.run, self.side.handoff(), self._send,
+                                             *args))
 
     def _complete(self) -> None:
         jobs, self._jobs = self._jobs, []
         CommThread.wait(jobs)
+        self.side.join()
         self._finish()
 
     def reduce(self, overflow: bool | None = None) -> None:
