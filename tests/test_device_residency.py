@@ -111,9 +111,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a message's stamps (acknowledgement, kind, step): the protocol's next move",
     ("compress/sparse_allreduce.py", "_byte_counts", "item()"):
         "how many bytes each peer sends here: the receive buffers' sizes",
-    ("algorithms/sgp.py", "SGPRuntime._set", "float()"):
-        "the push-sum weight is kept as a Python float (its state, its checkpoints): not a "
-        "decision, left to do",
 }
 # sparse payloads are sized by the data: DGC's threshold search and the sparse all-reduce's
 # re-selection pick how many elements to send, and a buffer of that size

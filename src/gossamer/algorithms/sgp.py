@@ -105,12 +105,15 @@ class SGPRuntime(GossipRuntime):
         super().__init__(config, comm, model, optimizer)
         self.config: SGP = config
         # internal state
-        self.weight = 1.0  # push-sum weight; the parameters hold numerator / weight
         self.holds_numerator = False  # between after_backward and the mixing: numerator x
         # Sent, not yet mixed: the handle of each step's exchange, or what it delivered.
         self.in_flight: deque[Handle | dict[int, torch.Tensor]] = deque()
         flat = self.flat.buffers[0]  # [numerator..., weight] of the step being mixed
         self._message = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+        #: push-sum weight (the parameters hold numerator / weight): a tensor on the model's
+        #: device, of the messages' dtype, so that no step reads it back to the host
+        self.weight = torch.ones((), dtype=flat.dtype, device=flat.device)
+        self._unit_weight = True  # known on the host: the weight is exactly 1 (no mixing yet)
 
     @staticmethod
     def _received(entry: Handle | dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -128,9 +131,8 @@ class SGPRuntime(GossipRuntime):
     def after_backward(self) -> None:
         # The gradient was taken at z = x / w; the optimizer steps the numerator x
         # (Algorithms 1 and 2: x_{k+1/2} = x_k - lr grad F(z_k)). With w == 1 they are equal.
-        if self.weight != 1.0:
-            for p in self.params:
-                p.data.mul_(self.weight)
+        if not self._unit_weight:
+            torch._foreach_mul_([p.data for p in self.params], self.weight)
         self.holds_numerator = True
 
     @torch.no_grad()
@@ -154,7 +156,8 @@ class SGPRuntime(GossipRuntime):
 
     def _set(self, message: torch.Tensor) -> None:
         self.holds_numerator = False
-        self.weight = float(message[-1])
+        self.weight = message[-1].clone()
+        self._unit_weight = False
         torch.div(message[:-1], self.weight, out=self.flat.buffers[0])
         self.flat.scatter(self.params)
 
@@ -172,7 +175,8 @@ class SGPRuntime(GossipRuntime):
         self.settle()
         message = push_message(self.read_parameters() * self.weight, self.weight)
         self.comm.all_reduce(message, op="mean")
-        self.weight = 1.0
+        self.weight = torch.ones_like(self.weight)
+        self._unit_weight = True
         self.write_parameters(message[:-1] / message[-1])
         self.average_buffers()
         self.synchronizations += 1
@@ -191,9 +195,11 @@ class SGPRuntime(GossipRuntime):
     def state_dict(self) -> dict[str, Any]:
         in_flight = [self._received(entry) for entry in self.in_flight]
         self.in_flight = deque(in_flight)  # delivered now; mixed at the same steps as before
-        return {**super().state_dict(), "weight": self.weight, "in_flight": in_flight}
+        return {**super().state_dict(), "weight": float(self.weight), "in_flight": in_flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.weight = float(state["weight"])
+        weight = float(state["weight"])
+        self.weight = torch.tensor(weight, dtype=self.weight.dtype, device=self.weight.device)
+        self._unit_weight = weight == 1.0
         self.in_flight = deque({int(k): v for k, v in d.items()} for d in state["in_flight"])
