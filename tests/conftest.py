@@ -19,20 +19,54 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GOSSAMER_LIVENESS_SCALE", "0.5")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--timing", choices=("with", "without", "only"), default="with",
+        help="the `timing` tests: with the others (default), without them, or only them. "
+             "scripts/test runs the others in pytest-xdist workers, then these in one process")
+
+
+def pytest_collection_modifyitems(config, items):
+    which = config.getoption("timing")
+    if which == "with":
+        return
+    keep, drop = [], []
+    for item in items:
+        timing = item.get_closest_marker("timing") is not None
+        (keep if timing == (which == "only") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def _timing_tests_run_alone(request, tmp_path_factory):
-    """Under pytest-xdist (scripts/test), a ``timing`` test runs while no other test runs: its
-    processes must each get the CPU within seconds (short timeouts, wall-clock ratios), which
-    another worker's processes on the same 2 cores would take. Every other test holds a shared
-    lock on a file of the run, a timing test an exclusive one."""
+    """Under pytest-xdist, a ``timing`` test runs while no other test runs: its processes must
+    each get the CPU within seconds (short timeouts, wall-clock ratios), which another worker's
+    processes on the same 2 cores would take. Every other test holds a shared lock on a file of
+    the run, a timing test an exclusive one; while a timing test waits for it, no other test
+    takes the shared lock (a pending file), so that it waits only for the tests already
+    running. (scripts/test runs the timing tests apart, after the others, in one process: no
+    worker waits idle then.)"""
     if not hasattr(request.config, "workerinput"):  # one process: the tests run one at a time
         yield
         return
     import fcntl
+    import time
 
     # the workers' base directories share this parent, which is new for each run
-    path = tmp_path_factory.getbasetemp().parent / "timing.lock"
-    with open(path, "a") as lock:
-        exclusive = request.node.get_closest_marker("timing") is not None
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    base = tmp_path_factory.getbasetemp().parent
+    exclusive = request.node.get_closest_marker("timing") is not None
+    pending = base / f"timing.pending.{request.config.workerinput['workerid']}"
+    with open(base / "timing.lock", "a") as lock:
+        if exclusive:
+            pending.touch()
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            finally:
+                pending.unlink()
+        else:
+            while any(base.glob("timing.pending.*")):
+                time.sleep(0.05)
+            fcntl.flock(lock, fcntl.LOCK_SH)
         yield

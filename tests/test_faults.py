@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from gossamer.compress import ErrorFeedback
 from gossamer.patterns.nonfinite import NonFiniteError, flag_words, ranks_from_flags, set_flag
 from gossamer.testing import free_port, spawn_gloo, state_tensors
 from gossamer.train.config import TrainConfig, load_recipe
+from gossamer.warm import WarmProcess, start_python
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -399,8 +398,10 @@ def test_a_nan_on_rank_1_never_reaches_another_rank_on_gloo() -> None:
 # ----------------------------------------------------------------------------- gloo processes
 
 
-def _train_processes(tmp_path: Path, n: int, *args: str) -> list[subprocess.Popen]:
-    """``gossamer train ARGS`` as ``n`` processes of a torchrun-like job on 127.0.0.1."""
+def _train_processes(tmp_path: Path, n: int, *args: str) -> list[WarmProcess]:
+    """``gossamer train ARGS`` as ``n`` processes of a torchrun-like job on 127.0.0.1, each
+    forked from a process that has imported torch (:func:`gossamer.warm.start_python`: it
+    exits, crashes and is killed as a fresh interpreter is, without seconds of imports)."""
     port = free_port()
     procs = []
     for rank in range(n):
@@ -409,10 +410,8 @@ def _train_processes(tmp_path: Path, n: int, *args: str) -> list[subprocess.Pope
                    PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
         for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
             env.pop(name, None)
-        err = (tmp_path / f"rank{rank}.err").open("w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gossamer", "train", "--quiet", *args],
-            env=env, stdout=subprocess.DEVNULL, stderr=err))
+        procs.append(start_python(["-m", "gossamer", "train", "--quiet", *args], cwd=tmp_path,
+                                  env=env, stderr=tmp_path / f"rank{rank}.err"))
     return procs
 
 
@@ -454,7 +453,7 @@ def test_crash_or_hang_of_1_of_4_gloo_workers(tmp_path: Path, kind: str) -> None
         assert "frame #" not in err, err  # no C++ stack frames from a store that went away
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float = 90) -> None:
+def _wait_all(procs: list[WarmProcess], timeout: float = 90) -> None:
     """Wait for every process; kill those still running after ``timeout`` seconds."""
     try:
         for p in procs:
@@ -466,7 +465,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float = 90) -> None:
                 p.wait()
 
 
-def _survivors(tmp_path: Path, procs: list[subprocess.Popen], dead: int
+def _survivors(tmp_path: Path, procs: list[WarmProcess], dead: int
                ) -> list[tuple[str, str]]:
     """Wait for a run in which rank ``dead`` crashed; every other rank must have exited 1 with
     a communication error as its last line and no C++ stack frames: (stderr, last line) each."""

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gossamer.warm import WARM_VARIABLE, run_python
+from gossamer.warm import WARM_VARIABLE, run_python, start_python
 
 PROGRAM = """
 import os, sys
@@ -65,3 +65,23 @@ def test_fresh_interpreters_when_asked(tmp_path, monkeypatch):
     done = run_python(["-c", "import sys; print('torch' in sys.modules)"], cwd=tmp_path,
                       timeout=60)
     assert done.stdout == "True\n"  # forked from the warm process
+
+
+def test_programs_started_together_run_together_and_answer_as_popen(tmp_path):
+    """start_python: several programs at once (each waits for the other's file), their exit
+    statuses, a kill (minus the signal's number), poll and a wait past its timeout."""
+    wait_for = ("import os, sys, time\nopen(sys.argv[1], 'w').close()\n"
+                "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
+                "print('both', file=sys.stderr); sys.exit(int(sys.argv[3]))")
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = start_python(["-c", wait_for, a, b, "4"], cwd=tmp_path, stderr=tmp_path / "1.err")
+    second = start_python(["-c", wait_for, b, a, "5"], cwd=tmp_path, stderr=tmp_path / "2.err")
+    assert (first.wait(timeout=60), second.wait(timeout=60)) == (4, 5)
+    assert (tmp_path / "1.err").read_text() == (tmp_path / "2.err").read_text() == "both\n"
+    sleeper = start_python(["-c", "import time; time.sleep(60)"], cwd=tmp_path)
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(timeout=0.2)
+    sleeper.kill()
+    assert sleeper.wait(timeout=60) == -9 and sleeper.returncode == -9
+    assert run_python(["-c", "print(1)"], cwd=tmp_path, timeout=60).stdout == "1\n"  # goes on

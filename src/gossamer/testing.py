@@ -50,6 +50,10 @@ from gossamer.comm.environment import (
 )
 from gossamer.launch.supervisor import Supervisor
 
+# (imported first, so that its exit handler, which closes the warm process, runs after
+# close_pools: the pools' processes are its children)
+from gossamer.warm import start_python
+
 if TYPE_CHECKING:
     from gossamer.comm.recording import Recorder
 
@@ -221,19 +225,24 @@ class _Pool:
     child takes no CPU, and reads end-of-file when the parent closes the pool or dies."""
 
     def __init__(self, world_size: int) -> None:
-        import subprocess
-
         self.world_size = world_size
         self.folder = Path(tempfile.mkdtemp(prefix="gossamer-pool-"))
         self.calls = 0
         env = _child_environment()
         self.children = []
+        self._calls: list[int] = []  # the write ends of the children's call pipes
         for rank in range(world_size):
-            with open(self.folder / f"rank{rank}.log", "wb") as log:  # the child's output
-                self.children.append(subprocess.Popen(
-                    [sys.executable, "-c", _RESIDENT, str(self.folder), str(rank),
-                     str(world_size), str(os.getpid())],
-                    env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT))
+            # a named pipe for the calls, held open here read-write (opening it does not
+            # wait for the child); the children are forked from a process that has imported
+            # torch (gossamer.warm): a pool starts without seconds of imports per process
+            pipe = self.folder / f"rank{rank}.calls"
+            os.mkfifo(pipe)
+            self._calls.append(os.open(pipe, os.O_RDWR))
+            log = self.folder / f"rank{rank}.log"  # the child's output
+            self.children.append(start_python(
+                ["-c", _RESIDENT, str(self.folder), str(rank), str(world_size),
+                 str(os.getpid()), str(pipe)], cwd=os.getcwd(), env=env, stdout=log,
+                stderr=log))
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any], timeout: float) -> list[Any]:
         """``fn(*args)`` on every rank: their results, or the errors of :func:`spawn_gloo`
@@ -247,10 +256,8 @@ class _Pool:
         # two pickles: the second unpickles once the first has prepared sys.path and __main__
         _write(self.folder / f"call{n}.pkl", pickle.dumps((preparation, environ, free_port()))
                + pickle.dumps((fn, tuple(args))))
-        for child in self.children:  # (a child gone shows below, as one that failed)
-            with contextlib.suppress(OSError):
-                child.stdin.write(b"%d\n" % n)
-                child.stdin.flush()
+        for calls in self._calls:  # (a child gone shows below, as one that failed)
+            os.write(calls, b"%d\n" % n)
         ranks = range(self.world_size)
         returned = [self.folder / f"rank{r}.returned{n}" for r in ranks]
         raised = [self.folder / f"rank{r}.raised{n}" for r in ranks]
@@ -290,9 +297,11 @@ class _Pool:
     def close(self) -> None:
         import shutil
 
-        for child in self.children:
+        for calls in self._calls:  # the children read end of file
             with contextlib.suppress(OSError):
-                child.stdin.close()
+                os.close(calls)
+        self._calls = []
+        for child in self.children:
             if child.poll() is None:
                 child.kill()
         for child in self.children:
@@ -333,11 +342,11 @@ def _resident_main() -> None:
 
     folder, rank = Path(sys.argv[1]), int(sys.argv[2])
     world_size = int(sys.argv[3])  # (argv[4], the parent's pid, names the pool in ps)
+    calls = open(sys.argv[5], "rb")  # noqa: SIM115 - read until the parent closes it
     torch.set_num_threads(1)  # two cores for several processes: threads would only fight
     states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
     n = 0
-    calls = sys.stdin.buffer
     while True:
         if not calls.readline():  # end of file: the parent closed the pool, or is gone
             return

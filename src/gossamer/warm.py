@@ -8,10 +8,16 @@ and arguments, standard input from ``/dev/null`` and its output in files; it run
 as ``python`` would (a script with its directory first on ``sys.path``, ``-m module``,
 ``-c code``), runs the ``atexit`` handlers, and exits with the program's exit status. Forking
 after torch is imported is what torch's own DataLoader workers do. Arguments with other
-interpreter options run in a fresh interpreter. Example::
+interpreter options run in a fresh interpreter. :func:`run_python` runs one program to its
+end; :func:`start_python` starts one and returns at once, so that several run together (the
+workers of a job of several processes), each answering as a ``subprocess.Popen`` does.
+Example::
 
     done = run_python(["-m", "gossamer", "--version"], cwd=tmp_path, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("gossamer")
+    workers = [start_python(["-m", "gossamer", "train", ...], cwd=tmp_path, env=env_of(rank),
+                            stderr=tmp_path / f"rank{rank}.err") for rank in range(4)]
+    workers[1].kill(); codes = [w.wait(timeout=60) for w in workers]
 
 ``GOSSAMER_WARM=0`` runs every program in a fresh interpreter instead.
 """
@@ -19,6 +25,7 @@ interpreter options run in a fresh interpreter. Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -27,18 +34,18 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WARM_VARIABLE", "run_python"]
+__all__ = ["WARM_VARIABLE", "WarmProcess", "run_python", "start_python"]
 
 #: set to 0: every program runs in a fresh interpreter
 WARM_VARIABLE = "GOSSAMER_WARM"
 _SERVER = "from gossamer.warm import _serve; _serve()"
 _PRELOAD = ("torch", "numpy", "gossamer", "gossamer.cli", "gossamer.train.run",
             "gossamer.testing")
-_server: subprocess.Popen[bytes] | None = None
 
 
 def run_python(args: Sequence[str], *, cwd: str | Path, timeout: float,
@@ -47,62 +54,163 @@ def run_python(args: Sequence[str], *, cwd: str | Path, timeout: float,
     captured as text: what ``subprocess.run([sys.executable, *args], cwd=cwd, env=env,
     capture_output=True, text=True, timeout=timeout)`` returns, and the same
     ``subprocess.TimeoutExpired`` (the program killed) after ``timeout`` seconds."""
-    args = [str(a) for a in args]
-    environ = dict(os.environ if env is None else env)
-    if (os.environ.get(WARM_VARIABLE) == "0" or not args
-            or (args[0].startswith("-") and args[0] not in ("-m", "-c"))):
-        return subprocess.run([sys.executable, *args], cwd=cwd, env=environ,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="gossamer-warm-") as folder:
         out, err = Path(folder) / "out", Path(folder) / "err"
-        code = _run_forked(args, str(cwd), environ, str(out), str(err), timeout)
+        process = start_python(args, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=60)
+            code = None
         stdout = out.read_text(errors="replace")
         stderr = err.read_text(errors="replace")
-    command = [sys.executable, *args]
+    command = [sys.executable, *map(str, args)]
     if code is None:
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(command, code, stdout, stderr)
 
 
-def _run_forked(args: list[str], cwd: str, env: dict[str, str], out: str, err: str,
-                timeout: float) -> int | None:
-    """The exit status of the forked run (a signal's: minus its number), None if it was
-    killed after ``timeout`` seconds."""
-    server = _warm_server()
-    assert server.stdin is not None and server.stdout is not None
-    requests, answers = server.stdin.fileno(), server.stdout.fileno()
-    _send(requests, (args, cwd, env, out, err))
-    pid = _receive(answers, 60.0)
-    if pid is None:
-        _close_server()
-        raise RuntimeError("the warm process did not fork within 60 s")
-    status = _receive(answers, timeout)
-    if status is None:
-        os.kill(pid, signal.SIGKILL)
-        _receive(answers, 60.0)  # its status, once reaped
-        return None
-    return status
+def start_python(args: Sequence[str], *, cwd: str | Path,
+                 env: Mapping[str, str] | None = None, stdout: str | Path | None = None,
+                 stderr: str | Path | None = None) -> WarmProcess | subprocess.Popen[bytes]:
+    """Start ``python *args`` in ``cwd`` with ``env`` (default: this process's), standard
+    input from ``/dev/null``, its output written to the files ``stdout`` and ``stderr`` (None:
+    discarded; the same file for both: one stream, as ``stderr=subprocess.STDOUT``); return
+    at once. The process answers what a ``subprocess.Popen`` answers:
+    ``pid``, ``poll()``, ``wait(timeout)`` (``subprocess.TimeoutExpired`` after ``timeout``
+    seconds), ``send_signal``, ``terminate``, ``kill``, ``returncode`` (a signal's: minus its
+    number). Several run at once, each forked from the warm process; with
+    ``GOSSAMER_WARM=0`` (or interpreter options in ``args``) it is a ``subprocess.Popen``
+    of a fresh interpreter."""
+    args = [str(a) for a in args]
+    environ = dict(os.environ if env is None else env)
+    out, err = (os.devnull if path is None else str(path) for path in (stdout, stderr))
+    if (os.environ.get(WARM_VARIABLE) == "0" or not args
+            or (args[0].startswith("-") and args[0] not in ("-m", "-c"))):
+        with open(out, "wb") as out_file, open(err, "wb") as err_file:
+            return subprocess.Popen([sys.executable, *args], cwd=cwd, env=environ,
+                                    stdin=subprocess.DEVNULL, stdout=out_file,
+                                    stderr=subprocess.STDOUT if err == out else err_file)
+    return _warm_server().start(args, str(cwd), environ, out, err)
 
 
-def _warm_server() -> subprocess.Popen[bytes]:
+class WarmProcess:
+    """A program forked from the warm process (see :func:`start_python`)."""
+
+    def __init__(self, server: _Server, request: int, pid: int, args: list[str]) -> None:
+        self._server, self._request = server, request
+        self.pid, self.args = pid, [sys.executable, *args]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._status(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def _status(self, timeout: float | None) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.answer(self._request, "exit", timeout)
+        if self.returncode is None and not self._server.alive():
+            # the warm process is gone without a word of this program (killed from outside):
+            # it cannot reap the program any more; kill it, as the warm process would have
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # not reaped yet: the pid is still this program's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """The warm process, and a thread that reads its answers: ``[request, "pid", pid]`` once
+    a program is forked, ``[request, "exit", status]`` once it is reaped."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, env=dict(os.environ))
+        self._changed = threading.Condition()
+        self._answers: dict[tuple[int, str], int] = {}
+        self._requests = 0
+        self._gone = False
+        threading.Thread(target=self._read, name="gossamer-warm", daemon=True).start()
+
+    def alive(self) -> bool:
+        return not self._gone and self.process.poll() is None
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        while True:
+            answer = _receive(fd, None)
+            with self._changed:
+                if answer is None:
+                    self._gone = True
+                else:
+                    request, kind, value = answer
+                    self._answers[(request, kind)] = value
+                self._changed.notify_all()
+            if answer is None:
+                return
+
+    def answer(self, request: int, kind: str, timeout: float | None) -> int | None:
+        """The answer ``kind`` to ``request``; None if it has not come within ``timeout``
+        seconds (or the warm process is gone)."""
+        with self._changed:
+            self._changed.wait_for(lambda: (request, kind) in self._answers or self._gone,
+                                   timeout)
+            return self._answers.get((request, kind))
+
+    def start(self, args: list[str], cwd: str, env: dict[str, str], out: str, err: str
+              ) -> WarmProcess:
+        assert self.process.stdin is not None
+        with self._changed:
+            self._requests += 1
+            request = self._requests
+            _send(self.process.stdin.fileno(), [request, args, cwd, env, out, err])
+        pid = self.answer(request, "pid", 60.0)
+        if pid is None:
+            _close_server()
+            raise RuntimeError("the warm process did not fork within 60 s")
+        return WarmProcess(self, request, pid, args)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # end of file: it kills what still runs, and exits
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_server: _Server | None = None
+
+
+def _warm_server() -> _Server:
     global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, env=dict(os.environ))
+    if _server is None or not _server.alive():
+        _server = _Server()
     return _server
 
 
 def _close_server() -> None:
     global _server
     if _server is not None:
-        if _server.stdin is not None:
-            _server.stdin.close()  # end of file: it exits
-        try:
-            _server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            _server.kill()
-            _server.wait()
+        _server.close()
         _server = None
 
 
@@ -139,27 +247,45 @@ def _receive(fd: int, timeout: float | None) -> Any:
 
 # ---- the warm process
 
+REAP_INTERVAL = 0.02  # seconds between two looks for finished programs while some run
+
 
 def _serve() -> None:
     """Import what the programs import, then fork one child per request read from stdin,
-    answering with its pid and then its exit status; exit at end of file."""
+    answering with its pid at once and with its exit status once it is reaped; at end of
+    file, kill what still runs and exit."""
     import importlib
 
     answers = os.dup(1)  # the answers' pipe; what anything prints goes to stderr instead
     os.dup2(2, 1)
     for name in _PRELOAD:
         importlib.import_module(name)
+    running: dict[int, int] = {}  # pid -> request
     while True:
-        request = _receive(0, None)
-        if request is None:
+        readable = select.select([0], [], [], REAP_INTERVAL if running else None)[0]
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in running:
+                _send(answers, [running.pop(pid), "exit", os.waitstatus_to_exitcode(status)])
+        if not readable:
+            continue
+        message = _receive(0, None)
+        if message is None:
+            for pid in running:
+                os.kill(pid, signal.SIGKILL)
+            for pid, request in running.items():
+                _, status = os.waitpid(pid, 0)
+                _send(answers, [request, "exit", os.waitstatus_to_exitcode(status)])
             return
+        request, *program = message
         pid = os.fork()
         if pid == 0:
             os.close(answers)
-            _child(*request)  # never returns
-        _send(answers, pid)
-        _, status = os.waitpid(pid, 0)
-        _send(answers, os.waitstatus_to_exitcode(status))
+            _child(*program)  # never returns
+        running[pid] = request
+        _send(answers, [request, "pid", pid])
 
 
 def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
@@ -169,8 +295,11 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
 
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+    if err == out:  # both into one file, as stderr=subprocess.STDOUT
+        os.dup2(1, 2)
+    else:
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
