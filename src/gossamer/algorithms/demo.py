@@ -127,6 +127,10 @@ class DeMo(Algorithm):
         check_int("compression_topk", self.compression_topk, 1)
         check_int("compression_chunk", self.compression_chunk, 1)
 
+    def sharding_refusal(self) -> str | None:
+        return ("its DCT chunks and top-k cover whole tensors, and it reads the optimizer's "
+                "groups by parameter; taking them per local shard is not built yet")
+
     def symmetric(self) -> bool:
         return True  # the same all-gathers on every worker
 

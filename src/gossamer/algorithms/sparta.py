@@ -102,6 +102,11 @@ class SPARTA(Algorithm):
         if self.selector == "partitioned" and fraction == 0:
             raise ValueError("fraction: the partitioned selector needs fraction > 0, got 0")
 
+    def sharding_refusal(self) -> str | None:
+        return ("it draws the positions it averages per whole tensor; on local shards they "
+                "would be other positions than the unsharded run's, and drawing them per shard "
+                "is not built yet")
+
     def symmetric(self) -> bool:
         return True  # the same all-reduce of the same seeded positions on every worker
 

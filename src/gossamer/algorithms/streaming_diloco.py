@@ -184,6 +184,11 @@ class StreamingDiLoCo(Algorithm):
     def validate(self, world_size: int) -> None:
         check_replicas_divide(self.replica_size, world_size)
 
+    def sharding_refusal(self) -> str | None:
+        return ("its fragments are made of the model's layers; on a sharded model they are to "
+                "be made of FSDP units or of ranges of the local shards, which are not built "
+                "yet")
+
     def symmetric(self) -> bool:
         # every rank sends its all-to-all by offset (ScatteredMean): a rotation of rank 0's
         return True
