@@ -37,6 +37,7 @@ from torch import nn
 from gossamer.checks import check_int
 from gossamer.comm.base import Communicator, CommunicatorBase, ProcessGroupBacked
 from gossamer.comm.torch_comm import TorchCommunicator
+from gossamer.patterns.parts import mark_part
 
 __all__ = ["LocalShards", "ShardLayout", "check_replica_comm", "is_sharded", "local_shards"]
 
@@ -193,6 +194,8 @@ class LocalShards:
         self.sharded: list[nn.Parameter] = [p for _, p in named]
         self.local: list[nn.Parameter] = [
             nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in self.sharded]
+        for (name, p), view in zip(named, self.local, strict=True):
+            mark_part(view, p.numel(), _start(name, p, view, self.shard, self.shards))
         #: the model's structure, with the local views for parameters
         self.view = self._mirror(model, {id(p): v for p, v in zip(self.sharded, self.local,
                                                                    strict=True)}, {})
@@ -267,6 +270,27 @@ def local_shards(model: nn.Module) -> LocalShards | None:
     """The :class:`LocalShards` of ``model`` when its parameters are DTensors; None when none
     is (a model that is not sharded)."""
     return LocalShards(model) if is_sharded(model) else None
+
+
+def _start(name: str, p: Any, local: torch.Tensor, shard: int, shards: int) -> int:
+    """The flat position in ``p`` (a DTensor sharded on dimension 0, as FSDP2 shards: chunks
+    of ``ceil(rows / shards)`` rows, the last ones shorter or empty) of its local part's first
+    element; ValueError naming the parameter for another placement."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(p.placements) != (Shard(0),):
+        raise ValueError(f"model: parameter {name!r} is placed {tuple(p.placements)}; a method "
+                         "runs on shards of dimension 0 only (Shard(0), FSDP2's default: give "
+                         "fully_shard no shard_placement_fn)")
+    if p.dim() == 0:
+        return 0
+    rows = p.shape[0]
+    first = min(shard * -(-rows // shards), rows)
+    if local.shape[0] != min(-(-rows // shards), rows - first):
+        raise ValueError(f"model: parameter {name!r} holds rows {tuple(local.shape)} of "
+                         f"{tuple(p.shape)} on shard {shard} of {shards}, not the chunk of "
+                         "dimension 0 that FSDP2 places there")
+    return first * (p.numel() // rows if rows else 0)
 
 
 def _mesh_ranks(p: Any) -> tuple[int, ...]:
