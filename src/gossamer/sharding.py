@@ -195,7 +195,8 @@ class LocalShards:
         self.local: list[nn.Parameter] = [
             nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in self.sharded]
         for (name, p), view in zip(named, self.local, strict=True):
-            mark_part(view, p.numel(), _start(name, p, view, self.shard, self.shards))
+            mark_part(view, p.numel(), _start(name, p, view, self.shard, self.shards),
+                      held_as=p)
         #: the model's structure, with the local views for parameters
         self.view = self._mirror(model, {id(p): v for p, v in zip(self.sharded, self.local,
                                                                    strict=True)}, {})
