@@ -25,6 +25,7 @@ shards' of the gradients FSDP reduce-scattered. The method binds to it as to any
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -46,12 +47,10 @@ REPLICA, SHARD = "replica", "shard"
 
 
 def _dtensor_type() -> type | None:
-    """torch's DTensor class (None where torch.distributed is not built in)."""
-    if not dist.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+    """torch's DTensor class, or None where it was never imported: then no DTensor exists,
+    and importing it (seconds: it brings in dynamo) would slow down every unsharded run."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def _is_dtensor(t: object) -> bool:
