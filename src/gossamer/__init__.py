@@ -44,6 +44,7 @@ from gossamer.comm import ComputeModel, NetworkModel, SimWorld, TorchCommunicato
 from gossamer.compress import available_compressors, parse_compression
 from gossamer.loggers import Logger
 from gossamer.metrics import consensus_distance, snapshot
+from gossamer.sharding import ShardLayout
 
 __version__ = "0.1.0"
 
@@ -71,6 +72,7 @@ __all__ = [
     "QSGDAllReduce",
     "RandomKAllReduce",
     "Runtime",
+    "ShardLayout",
     "SimWorld",
     "StreamingDiLoCo",
     "TopKAllReduce",

@@ -40,6 +40,7 @@ from gossamer.algorithms import Algorithm, Runtime, create, model_tensors
 from gossamer.comm.base import Communicator, ProcessGroupBacked
 from gossamer.comm.buckets import apply_flat
 from gossamer.patterns.nonfinite import agree, all_finite
+from gossamer.sharding import LocalShards, check_replica_comm, local_shards
 from gossamer.torch_internals import (
     global_step_hooks,
     mark_step_hooked,
@@ -119,7 +120,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, runtime: Runtime,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None,
+                 shards: LocalShards | None = None) -> None:
         # Optimizer's own set-up (its hooks), over no parameters; from then on param_groups,
         # state and defaults are the wrapped optimizer's (properties below), so that a change
         # made through either is seen by both, also after its load_state_dict() replaced them
@@ -127,6 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.runtime = runtime
         self.scaler = scaler  # the GradScaler that steps this optimizer, if any
+        #: a sharded model's local shards, which the runtime works on (None: not sharded)
+        self.shards = shards
         runtime.use_scaler(scaler is not None)
 
     def _wrapped(self, name: str, default: Any) -> Any:
@@ -193,6 +197,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.shards is None:
+            return self._step(loss)
+        # a sharded model: the method's gradient hooks see the local shards of the gradients
+        # that FSDP2 reduce-scattered in backward (the hooks on the local views never fire)
+        self.shards.pull_gradients()
+        try:
+            return self._step(loss)
+        finally:
+            self.shards.drop_gradients()
+
+    def _step(self, loss: Any) -> Any:
         runtime = self.runtime
         overflow = self._unscale_gradients()  # None unless a GradScaler called
         runtime.comm.compute_step()
@@ -206,6 +221,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             runtime.check_gradients()
             runtime.after_backward()  # the all-reduce methods agree in their reduction
+        if self.shards is not None:
+            self.shards.push_gradients()
         if runtime.skip_update:  # a non-finite gradient under nonfinite="skip", or overflow
             runtime.skipped_steps += 1
             if overflow is not None:  # the scaler skips the step as a whole, every worker alike
@@ -322,7 +339,13 @@ def distribute(
     """Wire ``algorithm`` into ``model`` and ``optimizer`` on this worker.
 
     Args:
-        model: the replica of this worker.
+        model: the replica of this worker, or this rank's part of it: a model sharded with
+            FSDP2 (``fully_shard(..., mesh=layout.shard_mesh)``, see
+            :mod:`gossamer.sharding`), whose parameters are DTensors. The method then runs on
+            the local shards, with ``comm``, the replica dimension, before the optimizer
+            steps (after backward and FSDP's reduce-scatter); a method that does not run on
+            shards (:meth:`~gossamer.algorithms.Algorithm.sharding_refusal`), ``nonfinite=
+            "skip"`` and a ``scaler`` are ValueErrors there.
         optimizer: a ``torch.optim`` optimizer over ``model``'s parameters: every trainable
             one (``requires_grad``) must be in its parameter groups (a frozen one may stay
             out), and it must not be one that :func:`distribute` returned; either is a
@@ -333,7 +356,9 @@ def distribute(
             environment (torchrun, SLURM or Open MPI; a single process when none is set),
             on gloo for a model on the CPU and on ``from_env``'s default for one on a GPU
             (``GOSSAMER_BACKEND`` if set, else NCCL). A model on the CPU with an NCCL
-            communicator is a ValueError.
+            communicator is a ValueError. For a sharded model, the communicator of the
+            replica dimension (``ShardLayout.from_env(shards=S).comm``); None, or one that
+            spans ranks of the same replica, is a ValueError naming it.
         broadcast: copy rank 0's parameters and buffers to every worker first, so that all
             replicas start equal (default True, as DDP does).
         nonfinite: what a NaN or infinite gradient or parameter does, found before it is sent:
@@ -368,6 +393,9 @@ def distribute(
         raise ValueError(f"algorithm must be an Algorithm or a name, got {algorithm!r}")
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {scaler!r}")
+    shards = local_shards(model)  # None: a model not sharded
+    if shards is not None:
+        _check_sharded(algorithm, comm, shards, nonfinite, scaler)
     devices = {t.device.type for t in model_tensors(model)}
     if comm is None:
         from gossamer.comm.torch_comm import TorchCommunicator
@@ -382,12 +410,33 @@ def distribute(
             "(model.cuda()), or pass a gloo communicator "
             "(TorchCommunicator.from_env(backend='gloo'))")
     algorithm = algorithm.resolve(comm.world_size)  # validated, topology built: once
+    # a sharded model: the method works on the local shards, across the replicas
+    local = model if shards is None else shards.view
     if broadcast and comm.world_size > 1:
-        broadcast_model(comm, model)
-    runtime = algorithm.bind(comm, model, optimizer)
+        broadcast_model(comm, local)
+    runtime = algorithm.bind(comm, local, optimizer)
     runtime.start(total_steps=total_steps, training_inputs=training_inputs, nonfinite=nonfinite)
     runtime.before_forward()
-    return DistributedOptimizer(optimizer, runtime, scaler)
+    return DistributedOptimizer(optimizer, runtime, scaler, shards)
+
+
+def _check_sharded(algorithm: Algorithm, comm: Communicator | None, shards: LocalShards,
+                   nonfinite: str, scaler: torch.amp.GradScaler | None) -> None:
+    """Refuse what does not run on a model sharded with FSDP2 (ValueError naming it): a
+    method not proven there, a communicator that is not the replica dimension, and the
+    decisions that a replica's shards would each take alone (skipping a non-finite step, a
+    GradScaler's overflow)."""
+    why = algorithm.sharding_refusal()
+    if why is not None:
+        raise ValueError(f"algorithm: {algorithm.label} does not run on a model sharded with "
+                         f"FSDP2: {why}")
+    for name, value, default in (("nonfinite", nonfinite, "raise"), ("scaler", scaler, None)):
+        if value != default:
+            raise ValueError(
+                f"{name}={value!r} on a sharded model: each shard's ranks would decide alone "
+                "whether to skip a step, and a replica's shards could then differ; not "
+                f"supported yet (leave {name}={default!r})")
+    check_replica_comm(comm, shards)
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

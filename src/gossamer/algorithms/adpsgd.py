@@ -87,6 +87,11 @@ class ADPSGD(GossipAlgorithm):
                             f"but {topology.name!r} joins ranks {i} and {j}"
                         )
 
+    def sharding_refusal(self) -> str | None:
+        return ("it is asynchronous: each shard's ranks would pick their partners alone, so the "
+                "shards of one replica could average with different replicas; not proven on "
+                "local shards yet")
+
     def symmetric(self) -> bool:
         return False  # random partners, receives posted ahead of the sends
 

@@ -178,6 +178,19 @@ class AllReduce(Algorithm):
     def validate(self, world_size: int) -> None:
         check_node_size(self.node_size, world_size)
 
+    def sharding_refusal(self) -> str | None:
+        """None: on a sharded model the gradients FSDP2 reduce-scattered are averaged across
+        the replicas, each rank's shard with its own in the others, and a compressor
+        compresses each local shard as a tensor of its own (top-k per shard, PowerSGD's
+        matrix of the shard's rows). DGC's memory is refused: it takes over the momentum of
+        the optimizer's parameters, which are then DTensors it does not look for yet."""
+        _, memory = self.compressor_and_memory(1)
+        if isinstance(memory, DGCMemory):
+            return ("DGC's memory takes over the optimizer's momentum by parameter, and a "
+                    "sharded model's are DTensors, which it does not take yet; use another "
+                    "compressor (topk, randomk, qsgd, powersgd, fp16) or error feedback")
+        return None
+
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> AllReduceRuntime:

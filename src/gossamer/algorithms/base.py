@@ -94,6 +94,15 @@ class Algorithm(ABC):
         alike on every member."""
         return self.resolve(world_size)
 
+    def sharding_refusal(self) -> str | None:
+        """Why this configuration does not run on a model sharded with FSDP2 (see
+        :mod:`gossamer.sharding`), or None where it does: on each rank's local shards, with
+        the ranks that hold the same shard in the other replicas. :func:`gossamer.distribute`
+        refuses a sharded model with this reason. A method runs there once it is proven to
+        give what the unsharded run gives (``tests/test_sharding.py``); until then it says
+        so."""
+        return "not proven on local shards yet (tests/test_sharding.py does not run it)"
+
     @abstractmethod
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -70,6 +70,7 @@ from gossamer.comm.base import Communicator
 from gossamer.comm.mirror import Copies
 from gossamer.options import option
 from gossamer.patterns.nonfinite import all_finite, describe_nonfinite
+from gossamer.patterns.parts import held
 
 
 def _joined(parts: list[torch.Tensor], offset: int, count: int, dtype: torch.dtype,
@@ -127,6 +128,13 @@ class DeMo(Algorithm):
         check_int("compression_topk", self.compression_topk, 1)
         check_int("compression_chunk", self.compression_chunk, 1)
 
+    def sharding_refusal(self) -> str | None:
+        """None: on a sharded model each rank chunks, transforms and selects its local shards
+        (a shard's rows in chunks of the largest divisor of its own row count), so the
+        components sent differ from the unsharded run's, which chunks whole tensors; the
+        learning rate and weight decay are the sharded parameter's group's."""
+        return None
+
     def symmetric(self) -> bool:
         return True  # the same all-gathers on every worker
 
@@ -137,8 +145,8 @@ class DeMo(Algorithm):
 
 def chunk_side(size: int, target: int) -> int:
     """The largest divisor of ``size`` not above ``target`` (the reference's
-    ``_get_smaller_split``)."""
-    return max(d for d in range(1, min(size, target) + 1) if size % d == 0)
+    ``_get_smaller_split``); 1 for an empty side (a sharded model's empty shard: no chunks)."""
+    return max((d for d in range(1, min(size, target) + 1) if size % d == 0), default=1)
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -204,7 +212,7 @@ class DeMoRuntime(Runtime):
         # left out of the optimizer has none
         grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for name, p in self.named_parameters:
-            if id(p) not in grouped:
+            if id(held(p)) not in grouped:
                 raise ValueError(
                     f"optimizer: the model's trainable parameter {name!r} is in none of its "
                     "parameter groups, and DeMo takes each parameter's learning rate and weight "
@@ -235,7 +243,8 @@ class DeMoRuntime(Runtime):
         self.skip_update = False
 
     def _groups(self) -> dict[int, tuple[float, float]]:
-        """(lr, weight_decay) of each parameter's group, by id, as they are now."""
+        """(lr, weight_decay) of each parameter's group, by the id of the tensor the optimizer
+        holds for it (a sharded model's parameter, see :func:`held`), as they are now."""
         return {id(p): (float(group["lr"]), float(group.get("weight_decay", 0.0)))
                 for group in self.optimizer.param_groups for p in group["params"]}
 
@@ -253,7 +262,7 @@ class DeMoRuntime(Runtime):
         for (name, p), transform, k in zip(self.named, self.transforms, self.topk, strict=True):
             m = self.momentum[name] * decay
             if p.grad is not None and not found:
-                m.add_(p.grad, alpha=groups[id(p)][0])
+                m.add_(p.grad, alpha=groups[id(held(p))][0])
             coefficients = transform.encode(m)
             index = torch.topk(coefficients.abs(), k, dim=-1, sorted=False).indices
             value = torch.gather(coefficients, -1, index)
@@ -289,7 +298,7 @@ class DeMoRuntime(Runtime):
             averaged = torch.zeros(transform.chunks, transform.size, dtype=p.dtype,
                                    device=p.device)
             averaged.scatter_reduce_(-1, index, value, reduce="mean", include_self=False)
-            lr, weight_decay = groups[id(p)]
+            lr, weight_decay = groups[id(held(p))]
             if weight_decay:
                 p.mul_(1 - lr * weight_decay)
             p.add_(transform.decode(averaged).sign(), alpha=-lr)

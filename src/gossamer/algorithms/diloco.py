@@ -52,7 +52,13 @@ from torch import nn
 
 from gossamer.algorithms.allreduce import AllReduce, AllReduceRuntime, compression_argument
 from gossamer.algorithms.base import Algorithm, average_tensors
-from gossamer.algorithms.local_sgd import QSR, LocalSGD, LocalSGDRuntime, optimizer_state_tensors
+from gossamer.algorithms.local_sgd import (
+    QSR,
+    LocalSGD,
+    LocalSGDRuntime,
+    optimizer_state_refusal,
+    optimizer_state_tensors,
+)
 from gossamer.algorithms.outer import (
     OuterFactory,
     OuterState,
@@ -177,6 +183,9 @@ class DiLoCo(Algorithm):
 
     def validate(self, world_size: int) -> None:
         check_replicas_divide(self.replica_size, world_size)
+
+    def sharding_refusal(self) -> str | None:
+        return optimizer_state_refusal(self)
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> DiLoCoRuntime:

@@ -57,6 +57,9 @@ class DPSGD(GossipAlgorithm):
         # sends in offset order (after_backward): any circulant graph mirrors
         return isinstance(self.topology, Topology) and self.topology.mirrored(by_offset=True)
 
+    def sharding_refusal(self) -> str | None:
+        return None  # the mixing is element-wise: each shard mixes with its own in the others
+
     def check_topology(self, topology: Topology) -> None:
         topology.require_doubly_stochastic(arg="topology")
         topology.require_strongly_connected(arg="topology")

@@ -205,6 +205,9 @@ class GossipGraD(Algorithm):
                 and math.isfinite(self.bucket_mb) and self.bucket_mb > 0):
             raise ValueError(f"bucket_mb must be a number > 0, got {self.bucket_mb!r}")
 
+    def sharding_refusal(self) -> str | None:
+        return ("its gradient exchange is not proven on local shards yet")
+
     def symmetric(self) -> bool:
         return True  # one partner a step, and the same local all-reduces
 

@@ -101,6 +101,9 @@ class LocalSGD(Algorithm):
     def symmetric(self) -> bool:
         return True  # the same all-reduces on every worker (and on every group)
 
+    def sharding_refusal(self) -> str | None:
+        return optimizer_state_refusal(self)
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> LocalSGDRuntime:
         return LocalSGDRuntime(self, comm, model, optimizer)
@@ -282,6 +285,16 @@ class LocalSGDRuntime(Runtime):
         last_lr = state.get("last_lr")
         self.last_lr = None if last_lr is None else float(last_lr)
         self.periods = [(int(a), int(b)) for a, b in state["periods"]]
+
+
+def optimizer_state_refusal(config: RoundsConfig) -> str | None:
+    """Why a method of rounds does not run on a sharded model (None: it does, averaging the
+    local shards of the parameters): ``average_optimizer_state``, whose state is then made of
+    DTensors, which the average does not take apart yet."""
+    if config.average_optimizer_state:
+        return ("average_optimizer_state=True: the optimizer's state of a sharded model is "
+                "made of DTensors, which its average does not take yet; leave it False")
+    return None
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer,

@@ -81,6 +81,9 @@ class SGP(GossipAlgorithm):
         topology.require_column_stochastic(arg="topology")
         topology.require_strongly_connected(arg="topology")
 
+    def sharding_refusal(self) -> str | None:
+        return None  # push-sum is element-wise: each shard mixes with its own in the others
+
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> SGPRuntime:
         return SGPRuntime(self, comm, model, optimizer)

@@ -25,6 +25,10 @@ are split at random into ``P = max(1, min(ceil(1 / fraction), numel))`` disjoint
 :func:`selection_seed` of ``(seed, cycle, i)`` for the i-th tensor): every position is
 averaged exactly once per cycle.
 
+On a sharded model (:mod:`gossamer.sharding`) each rank draws over the whole tensors, as
+above, and averages the positions that fall in its local shards
+(:mod:`gossamer.patterns.parts`): the positions the unsharded run averages.
+
 Every trainable parameter takes part, also one without a gradient on this worker (EXO Gym skips
 those, which would let the workers' messages differ). Buffers (BatchNorm statistics) stay local
 until the final average. A worker whose gradient is non-finite under ``nonfinite="skip"`` skips
@@ -57,6 +61,7 @@ from gossamer.comm.base import Communicator, control_device
 from gossamer.compress import draws
 from gossamer.options import option
 from gossamer.patterns.nonfinite import all_finite
+from gossamer.patterns.parts import keep_part, part_of
 
 #: the ways of choosing the positions of a step (see the module docstring)
 SELECTORS = ("random", "partitioned")
@@ -101,6 +106,11 @@ class SPARTA(Algorithm):
                              f"got {self.selector!r}")
         if self.selector == "partitioned" and fraction == 0:
             raise ValueError("fraction: the partitioned selector needs fraction > 0, got 0")
+
+    def sharding_refusal(self) -> str | None:
+        """None: on a sharded model each rank draws the positions over the whole tensors, as
+        the unsharded run does, and averages those that fall in its shards."""
+        return None
 
     def symmetric(self) -> bool:
         return True  # the same all-reduce of the same seeded positions on every worker
@@ -195,10 +205,13 @@ class SPARTARuntime(Runtime):
         params = [p for _, p in self.named_parameters]
         # (the timing-only simulator's parameters are shapes only: positions drawn on the CPU)
         device = control_device(params[0].device) if params else None
-        positions = select(self.config, self.step, [p.numel() for p in params], device)
+        # drawn over the whole tensors: a part (a sharded model's local shard) keeps the
+        # positions that fall in it, those the unsharded run averages there
+        positions = select(self.config, self.step, [part_of(p).numel for p in params], device)
         # one all-reduce per dtype and device: the selected values of every tensor, packed
         kinds: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, Where, int]]] = {}
         for p, index in zip(params, positions, strict=True):
+            index = keep_part(p, index)
             if index.numel():
                 target, where = elements(p, index.to(p.device))
                 kinds.setdefault((p.dtype, p.device), []).append((target, where, index.numel()))

@@ -6,7 +6,9 @@ Lunch" (2025, arXiv 2501.18512), Algorithm 2, and torchft's ``DiLoCo`` with frag
 model is split into P fragments (``fragments``) of whole layers (:func:`split_fragments`:
 ``pattern="strided"``, the paper's better pattern, puts the i-th block of a ``ModuleList`` or
 ``Sequential`` (a transformer block) in fragment i mod P, as the paper's Fig. 2;
-``"sequential"`` cuts consecutive layers at about equal sizes). Each fragment is synchronised
+``"sequential"`` cuts consecutive layers at about equal sizes; by the whole tensors' sizes,
+so that a sharded model's ranks cut it as the unsharded model is cut, see
+:mod:`gossamer.patterns.parts`). Each fragment is synchronised
 every H steps (``period``), fragment p first after ``(p + 1) H / P`` steps, so one fragment's
 exchange is under way at a time: the peak bandwidth is the largest fragment's share of
 DiLoCo's (1/P when the fragments are equal; see ``fragment_sizes`` of the runtime). For
@@ -57,7 +59,7 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.diloco import DiLoCo
-from gossamer.algorithms.local_sgd import LocalSGD
+from gossamer.algorithms.local_sgd import LocalSGD, optimizer_state_refusal
 from gossamer.algorithms.outer import (
     OuterFactory,
     OuterStep,
@@ -183,6 +185,13 @@ class StreamingDiLoCo(Algorithm):
 
     def validate(self, world_size: int) -> None:
         check_replicas_divide(self.replica_size, world_size)
+
+    def sharding_refusal(self) -> str | None:
+        """None, but for ``average_optimizer_state``: the fragments are cut by the whole
+        tensors' sizes, so a sharded model's are the unsharded one's, each rank holding its
+        shards of them; a fragment's pseudo-gradients are quantised per shard (``int4``,
+        ``int8``: one scale per shard's message)."""
+        return optimizer_state_refusal(self)
 
     def symmetric(self) -> bool:
         # every rank sends its all-to-all by offset (ScatteredMean): a rotation of rank 0's

@@ -22,6 +22,7 @@ from gossamer.comm.state import broadcast_object
 from gossamer.compress.lowbit import LowBit
 from gossamer.patterns.fragments import split_fragments
 from gossamer.patterns.nonfinite import all_finite
+from gossamer.patterns.parts import part_of
 from gossamer.patterns.scattered import Exchange, MeanInFlight
 
 
@@ -50,8 +51,11 @@ class FragmentRuntime(DiLoCoRuntime):
         super().__init__(config, comm, model, optimizer)  # type: ignore[arg-type]
         self.config: FragmentsConfig = config
         sizes = [p.numel() for p in self.trained]
-        self.fragment_indices = split_fragments(self.names, sizes, config.fragments,
-                                                config.pattern)
+        # cut by the whole tensors' sizes: every shard of a sharded model (each sees its part
+        # of each tensor) cuts the model where the unsharded run does
+        self.fragment_indices = split_fragments(
+            self.names, [part_of(p).numel for p in self.trained], config.fragments,
+            config.pattern)
         #: elements of each fragment: the largest is the peak of an exchange
         self.fragment_sizes = [sum(sizes[i] for i in f) for f in self.fragment_indices]
         #: the fragment's exchange in flight, and this worker's encoding errors

@@ -115,6 +115,11 @@ class WAGMA(GossipAlgorithm):
     def topology_options(self) -> dict[str, object]:
         return {"group_size": self.group_size}
 
+    def sharding_refusal(self) -> str | None:
+        return ("it is asynchronous: each shard's ranks would decide alone which published "
+                "models to average, so the shards of one replica could mix models of different "
+                "ages; not proven on local shards yet")
+
     def symmetric(self) -> bool:
         return False  # receives posted ahead of the sends, from partners that differ by round
 

@@ -8,6 +8,8 @@ written once, used by every method that needs it, and tested on SimWorld and on 
 - :mod:`~gossamer.patterns.scattered`: the mean of a vector as a reduce-scatter and an
   all-gather over point-to-point exchanges, low-precision with error feedback, never blocking;
 - :mod:`~gossamer.patterns.fragments`: a model split into fragments of whole layers;
+- :mod:`~gossamer.patterns.parts`: where a tensor lies in the whole one it is a part of (a
+  sharded model's local shard), for the methods that draw or group by whole tensors;
 - :mod:`~gossamer.patterns.mailbox`: point-to-point channels with receives posted ahead, sends
   kept until known complete, and stamped messages with acknowledgements and a closing
   handshake (the asynchronous methods, WAGMA and AD-PSGD);
