@@ -19,6 +19,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GOSSAMER_LIVENESS_SCALE", "0.5")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default, pyproject.toml's addopts): a whole run (no test named on the
+    command line, no ``-k``) in one pytest-xdist worker per core, up to 4, since the fast tier
+    computes; a selection in this process alone, since a worker costs seconds to start
+    (imports and collection). ``-n N`` chooses."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.option.keyword:
+        return 0
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--timing", choices=("with", "without", "only"), default="with",
