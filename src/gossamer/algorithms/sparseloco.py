@@ -50,18 +50,23 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.demo import chunk_side, matrix_shape
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
-from gossamer.checks import check_int
+from gossamer.algorithms.outer import OuterStep, check_replicas, check_replicas_divide
+from gossamer.algorithms.rounds import QSR_WARMUPS, QuadraticRule, RoundSchedule
+from gossamer.checks import check_choice, check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.p2p_group import divide_
-from gossamer.options import option
+from gossamer.options import option, option_of
 
 __all__ = ["BITS", "ChunkedTopK", "SparseLoCo", "SparseLoCoRuntime", "StatisticalQuantiser"]
 
@@ -149,7 +154,7 @@ class ChunkedTopK:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SparseLoCo(DiLoCo):
+class SparseLoCo(Algorithm):
     """SparseLoCo (Sarfi et al. 2025): DiLoCo with error feedback instead of outer momentum,
     its pseudo-gradients sent as the top k of each chunk in ``bits`` bits, all-gathered.
 
@@ -163,18 +168,34 @@ class SparseLoCo(DiLoCo):
             32 unquantised.
         range_in_sigmas: the quantiser's range, in standard deviations of the kept values
             (default 6): the bins are ``range_in_sigmas * std / 2^bits`` wide.
-        outer_lr: alpha, the outer learning rate (default 1.0). The outer step is SGD
-            without momentum: ``outer``, ``outer_momentum``, ``outer_nesterov``,
-            ``outer_optimizer`` and ``compression`` keep their defaults (ValueError
-            otherwise).
-        period, alpha, warmup_steps, replica_size, ...: as :class:`DiLoCo`'s.
+        outer_lr: alpha, the outer learning rate (default 1.0) of the outer SGD, which has
+            no momentum.
+        period, alpha, power, warmup, warmup_steps, warmup_period, replica_size, bucket_mb,
+            average_optimizer_state, average_buffers, reestimate_batchnorm, average_at_end:
+            as :class:`DiLoCo`'s.
     """
 
     name: ClassVar[str] = "sparseloco"
+    continues_after_failure: ClassVar[bool] = True
+    renamed_options: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"group_size": "replica_size"})
+    #: the runtime is DiLoCo's, whose reduction this method replaces
+    compression: ClassVar[None] = None
 
-    outer_lr: float = option(1.0, "alpha: the outer learning rate of the plain outer SGD")
-    outer_momentum: float = option(0.0, "SparseLoCo's outer SGD has no momentum: 0 only")
-    outer_nesterov: bool = option(False, "SparseLoCo's outer SGD has no momentum: false only")
+    period: int = option_of(DiLoCo, "period")
+    warmup_steps: int = option_of(DiLoCo, "warmup_steps")
+    warmup_period: int = option_of(DiLoCo, "warmup_period")
+    average_optimizer_state: bool = option_of(DiLoCo, "average_optimizer_state")
+    average_buffers: bool = option_of(DiLoCo, "average_buffers")
+    reestimate_batchnorm: int = option_of(DiLoCo, "reestimate_batchnorm")
+    average_at_end: bool = option_of(DiLoCo, "average_at_end")
+    alpha: float = option_of(DiLoCo, "alpha")
+    power: float = option_of(DiLoCo, "power")
+    warmup: str = option_of(DiLoCo, "warmup")
+    replica_size: int = option_of(DiLoCo, "replica_size")
+    bucket_mb: float = option_of(DiLoCo, "bucket_mb")
+    outer_lr: float = option(1.0, "alpha: the outer learning rate of the outer SGD, which has "
+                             "no momentum (the error feedback takes its place)")
     error_decay: float = option(0.95, "beta: each worker's error-feedback accumulator decays "
                                 "by it before the round's pseudo-gradient is added")
     topk: int = option(64, "k: entries sent per chunk (64 of a 64x64 chunk: 1.56%)")
@@ -186,14 +207,12 @@ class SparseLoCo(DiLoCo):
                                     "kept values")
 
     def __post_init__(self) -> None:
-        if self.outer.lower() != "sgd" or self.outer_momentum != 0 or self.outer_nesterov \
-                or self.outer_optimizer is not None:
-            raise ValueError("outer: SparseLoCo's outer step is SGD without momentum (its "
-                             "error feedback takes the momentum's place); set only outer_lr")
-        if self.compression is not None:
-            raise ValueError("compression: SparseLoCo compresses its pseudo-gradients itself "
-                             "(topk, chunk, bits); leave compression unset")
-        super().__post_init__()
+        QuadraticRule(self.period, self.alpha, self.power)  # its checks, also with alpha 0
+        self.schedule  # noqa: B018 - its checks name the options
+        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
+        check_choice("warmup", self.warmup, QSR_WARMUPS)
+        self.outer_step  # noqa: B018
+        check_replicas(self.replica_size, self.bucket_mb)
         decay = self.error_decay
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) \
                 or not 0 <= decay <= 1:
@@ -207,6 +226,23 @@ class SparseLoCo(DiLoCo):
         if isinstance(spread, bool) or not isinstance(spread, (int, float)) \
                 or not math.isfinite(spread) or spread <= 0:
             raise ValueError(f"range_in_sigmas: must be a number > 0, got {spread!r}")
+
+    @property
+    def schedule(self) -> RoundSchedule:
+        """How long each round lasts: DiLoCo's rule."""
+        return DiLoCo.schedule.fget(self)  # type: ignore[attr-defined]
+
+    @property
+    def outer_step(self) -> OuterStep:
+        """The outer SGD of learning rate alpha, without momentum."""
+        return OuterStep(outer="sgd", outer_lr=self.outer_lr, outer_momentum=0.0,
+                         outer_nesterov=False)
+
+    def symmetric(self) -> bool:
+        return True  # the same all-gathers on every worker (and on every replica)
+
+    def validate(self, world_size: int) -> None:
+        check_replicas_divide(self.replica_size, world_size)
 
     def sharding_refusal(self) -> str | None:
         return "SparseLoCo chunks whole tensors; it does not run on sharded models yet"
@@ -223,8 +259,8 @@ class SparseLoCoRuntime(DiLoCoRuntime):
 
     def __init__(self, config: SparseLoCo, comm: Communicator, model: nn.Module,
                  optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(config, comm, model, optimizer)
-        self.config: SparseLoCo = config
+        super().__init__(config, comm, model, optimizer)  # type: ignore[arg-type]
+        self.config: SparseLoCo = config  # type: ignore[assignment]
         self.chunking = [ChunkedTopK(p.shape, config.chunk, config.topk) for p in self.trained]
         largest = max((c.size for c in self.chunking), default=1)
         self.index_dtype = torch.int16 if largest <= 2**15 else torch.int32
