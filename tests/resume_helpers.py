@@ -39,3 +39,37 @@ def straight_and_resumed(monkeypatch, root: Path, crash_step: int, **settings) -
     monkeypatch.undo()
     resumed = run_training(TrainConfig(run_dir=str(stopped), resume=True, **settings))
     return straight, stopped, resumed
+
+
+def state_dict_round_trip(comm, algorithm, stop, dim: int):
+    """16 steps of ``nn.Linear(dim, 2)`` under ``algorithm``, stopped at step ``stop`` (None:
+    never) and resumed from the runtime's and optimizers' state dicts on fresh objects; the
+    final parameters, flat."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import gossamer
+
+    torch.manual_seed(0)
+    model = nn.Linear(dim, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = gossamer.distribute(model, inner, algorithm, comm, total_steps=16)
+    g = torch.Generator().manual_seed(comm.rank)
+    batches = [(torch.randn(5, dim, generator=g), torch.randint(0, 2, (5,), generator=g))
+               for _ in range(16)]
+    for k, (x, y) in enumerate(batches):
+        if k == stop:
+            saved = ({n: t.clone() for n, t in model.state_dict().items()},
+                     opt.state_dict())
+            model = nn.Linear(dim, 2)
+            model.load_state_dict(saved[0])
+            inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            opt = gossamer.distribute(model, inner, algorithm, comm, broadcast=False,
+                                      total_steps=16)
+            opt.load_state_dict(saved[1])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.finish()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])

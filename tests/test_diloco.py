@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from oracles import diloco as oracle
 from oracles import local_sgd as local_oracle
+from resume_helpers import state_dict_round_trip
 from test_oracle_local_sgd import DIM, LRS, STEPS, X0, _data, _grad
 from torch import nn
 
@@ -412,33 +413,9 @@ def test_state_dict_round_trip_continues_the_same_run():
     algorithms = [DiLoCo(period=3, compression="topk:ratio=0.5"),
                   StreamingDiLoCo(period=4, fragments=2, tau=1, precision="int4")]
 
-    def worker(comm, algorithm, stop):
-        torch.manual_seed(0)
-        model = nn.Linear(DIM, 2)
-        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        opt = gossamer.distribute(model, inner, algorithm, comm, total_steps=16)
-        g = torch.Generator().manual_seed(comm.rank)
-        batches = [(torch.randn(5, DIM, generator=g), torch.randint(0, 2, (5,), generator=g))
-                   for _ in range(16)]
-        for k, (x, y) in enumerate(batches):
-            if k == stop:
-                saved = ({n: t.clone() for n, t in model.state_dict().items()},
-                         opt.state_dict())
-                model = nn.Linear(DIM, 2)
-                model.load_state_dict(saved[0])
-                inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                opt = gossamer.distribute(model, inner, algorithm, comm, broadcast=False,
-                                          total_steps=16)
-                opt.load_state_dict(saved[1])
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        opt.finish()
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
-
     for algorithm in algorithms:
-        straight = SimWorld(N).run(worker, algorithm, None)
-        resumed = SimWorld(N).run(worker, algorithm, 8)
+        straight = SimWorld(N).run(state_dict_round_trip, algorithm, None, DIM)
+        resumed = SimWorld(N).run(state_dict_round_trip, algorithm, 8, DIM)
         for a, b in zip(straight, resumed, strict=True):
             assert torch.equal(a, b), algorithm.name
 

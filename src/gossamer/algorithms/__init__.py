@@ -28,12 +28,13 @@ from gossamer.algorithms.registry import (
     with_compression,
 )
 from gossamer.algorithms.sgp import OSGP, SGP
+from gossamer.algorithms.sparseloco import SparseLoCo
 from gossamer.algorithms.sparta import SPARTA
 from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, *PRESETS,
-             DiLoCo, StreamingDiLoCo, SPARTA, DeMo):
+             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo):
     register(_cls)
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "OSGP",
     "SGP",
     "SPARTA",
+    "SparseLoCo",
     "WAGMA",
     "Algorithm",
     "AllReduce",
