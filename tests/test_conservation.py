@@ -84,10 +84,12 @@ from gossamer.algorithms import (
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
+    SparseLoCo,
     StreamingDiLoCo,
     TopKAllReduce,
     available,
 )
+from gossamer.algorithms.sparseloco import SparseLoCoRuntime
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
 from gossamer.comm.sim import SimComm
 
@@ -100,8 +102,8 @@ FLOAT16 = 2.0**-11  # relative rounding of a float16 value
 # ---------------------------------------------------------------------------- the cases
 
 # kinds of expectation (see the module docstring)
-SGD, STALE, ADAMW, UNSENT, UNSENT_FP16, FP16_SUM, SIGNUM = (
-    "sgd", "stale", "adamw", "unsent", "unsent-fp16", "fp16-sum", "signum")
+SGD, STALE, ADAMW, UNSENT, UNSENT_FP16, FP16_SUM, SIGNUM, UNSENT_OUTER = (
+    "sgd", "stale", "adamw", "unsent", "unsent-fp16", "fp16-sum", "signum", "unsent-outer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,10 @@ CASES = [
     Case("fp16", FP16AllReduce(), FP16_SUM),
     Case("sparta", SPARTA(fraction=0.1)),
     Case("sparta-partitioned", SPARTA(fraction=0.25, selector="partitioned")),
+    # SparseLoCo without decay (beta = 1) and outer lr 1: its accumulators keep what the
+    # chunked top-k and the 2-bit values did not send, in parameter units
+    Case("sparseloco-no-decay", SparseLoCo(period=4, error_decay=1.0, outer_lr=1.0),
+         UNSENT_OUTER),
     Case("demo", DeMo(), SIGNUM),
     Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]
@@ -242,13 +248,15 @@ class Outcome:
 def unsent(runtime) -> torch.Tensor | None:
     """The residual (error feedback) or velocity (DGC) of a compressed method's memory, in
     parameter order; None for a method without one."""
+    names = [name for name, _ in Replica().named_parameters()]
+    if isinstance(runtime, SparseLoCoRuntime):  # its error-feedback accumulators
+        return _flat([runtime.errors[name] for name in names]).double()
     reducer = getattr(runtime, "reducer", None)
     memory = getattr(reducer, "memory", None)
     if memory is None:
         return None
     read: Callable[[str], torch.Tensor | None] = (
         memory.residual if hasattr(memory, "residual") else memory.velocity_of)
-    names = [name for name, _ in Replica().named_parameters()]
     return _flat([read(name) for name in names]).double()
 
 
@@ -338,6 +346,9 @@ def check(case: Case, outcomes: list[Outcome], steps: int, lr: float, kind: str,
         residual = sum(o.unsent for o in outcomes) / n
         moved = moved + lr * residual  # the residual is what the mean has still to move
         tolerance = lr * steps * gmax * FLOAT16 if case.kind == UNSENT_FP16 else 0.0
+    elif case.kind == UNSENT_OUTER:
+        moved = moved + sum(o.unsent for o in outcomes) / n  # still to move, in parameters
+        tolerance = 0.0
     elif case.kind == FP16_SUM:
         tolerance = lr * steps * gmax * (2 * n - 1) * FLOAT16
     elif case.kind == STALE and late:
@@ -433,7 +444,8 @@ def test_conservation_on_gloo():
     cannot change what they compute."""
     from gossamer.testing import collect, run_in_turn, spawn_gloo
 
-    averaging = [c for c in CASES if c.kind not in (UNSENT, UNSENT_FP16, FP16_SUM)]
+    averaging = [c for c in CASES if c.kind not in (UNSENT, UNSENT_FP16, FP16_SUM,
+                                                     UNSENT_OUTER)]
     runs = [((late, case.id), (case, STEPS, LR, "rank", late))
             for late, cases in ((None, CASES), (3, averaging)) for case in cases]
     results = spawn_gloo(run_in_turn, GLOO_WORKERS, args=(run_worker, runs), timeout=240)
