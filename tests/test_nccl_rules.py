@@ -35,6 +35,7 @@ from gossamer.algorithms import (
     DeMo,
     DiLoCo,
     LocalSGD,
+    SparseLoCo,
     StreamingDiLoCo,
     available,
     create,
@@ -67,6 +68,7 @@ FAMILIES = {
          StreamingDiLoCo(period=6, fragments=2, tau=2, replica_size=2, precision="int8")),
         ("sparta", SPARTA(fraction=0.05)),
         ("demo", DeMo()),
+        ("sparseloco", SparseLoCo(period=2)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [
