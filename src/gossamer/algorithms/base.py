@@ -75,10 +75,11 @@ class Algorithm(ABC):
     #: simulates it on a model of one tensor of each (:func:`gossamer.plan.predict`).
     flat_parameters: ClassVar[bool] = False
     #: Whether a worker may wait, in a step, for what another sends only when it finishes
-    #: training (:meth:`Runtime.finish`: WAGMA's partner that skipped rounds sends its model
-    #: when it pauses): a prediction that simulates every worker then finishes each after its
-    #: measured steps, or some would wait for ever. False where nothing waits for a peer's
-    #: end, which is then left out (it comes after every measured step).
+    #: training (:meth:`Runtime.finish`: on unlike workers, a WAGMA worker behind may wait for
+    #: a model that a partner done with its steps never publishes, until the partner's pause
+    #: tells it to go on without): a prediction that simulates every worker then finishes each
+    #: after its measured steps, or some would wait for ever. False where nothing waits for a
+    #: peer's end, which is then left out (it comes after every measured step).
     peers_wait_for_finish: ClassVar[bool] = True
 
     def symmetric(self) -> bool:
