@@ -174,10 +174,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a recommended method is at least this much faster per step "
                         "(default 1.1)")
     parser.add_argument("--top", type=int, default=3, help="methods per cell (default 3)")
-    parser.add_argument("--every-worker-up-to", type=int, default=32, metavar="N",
+    parser.add_argument("--every-worker-up-to", type=int, default=None, metavar="N",
                         help="a method the planner simulates worker by worker (not symmetric: "
-                        "WAGMA, AD-PSGD) is left out above N workers, where its simulation "
-                        "takes minutes to hours (default 32)")
+                        "AD-PSGD) is left out above N workers (default: none; the published "
+                        "tables were made with 32, when WAGMA and AD-PSGD took minutes to "
+                        "hours above it)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the predictions of an earlier decision.json of the same "
                         "settings, and time only the missing ones")
@@ -238,13 +239,14 @@ def recommend(speed_ups: dict[str, float], proxy: str, args: argparse.Namespace
 
 
 def _predict(entry: str, model: str, bandwidth: str, workers: int, compute_time: float,
-             latency: float, every_up_to: int) -> dict[str, Any]:
+             latency: float, every_up_to: int | None) -> dict[str, Any]:
     from gossamer.comm import ComputeModel, NetworkModel
     from gossamer.plan import model_builder, predict
     from gossamer.train.compare import parse_algorithms
 
     ((label, algorithm),) = parse_algorithms(entry)
-    if workers > every_up_to and not algorithm.resolve(workers).symmetric():
+    if every_up_to is not None and workers > every_up_to \
+            and not algorithm.resolve(workers).symmetric():
         raise ValueError(f"simulated worker by worker, not predicted above {every_up_to} "
                          "workers (docs/plan.md, Scale)")
     build, _ = model_builder(model)

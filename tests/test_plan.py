@@ -154,15 +154,30 @@ def test_rows_are_written_as_each_method_finishes(tmp_path, monkeypatch):
 
 
 def test_a_method_simulated_worker_by_worker_is_left_out_above_the_limit(tmp_path, capsys):
-    """WAGMA is not symmetric: above --every-worker-up-to it is left out, said on stderr with
-    the flag that includes it; AllReduce (one worker for all) is predicted at every count."""
+    """AD-PSGD is not symmetric: above --every-worker-up-to (deprecated, still obeyed where
+    given) it is left out, said on stderr with the flag; AllReduce (one worker for all) is
+    predicted at every count."""
     status = main(["plan", "--workers", "4", "8", "--model", "1M", "--algorithms",
-                   "allreduce,wagma:group_size=2", "--every-worker-up-to", "4", "--warmup",
+                   "allreduce,adpsgd", "--every-worker-up-to", "4", "--warmup",
                    "1", "--steps", "1", "--out", str(tmp_path)])
     assert status == 0
     err = capsys.readouterr().err
-    assert "wagma:group_size=2 at 8 workers: left out (simulated worker by worker" in err
+    assert "adpsgd at 8 workers: left out (simulated worker by worker" in err
     assert "--every-worker-up-to 4" in err
+    assert "--every-worker-up-to is deprecated" in err
     rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
     assert sorted((r["workers"], r["method"]) for r in rows) == [
-        (4, "allreduce"), (4, "wagma:group_size=2"), (8, "allreduce")]
+        (4, "adpsgd"), (4, "allreduce"), (8, "allreduce")]
+
+
+def test_every_method_is_predicted_at_every_count_by_default(tmp_path, capsys):
+    """Without --every-worker-up-to nothing is left out: WAGMA (one worker for all, its
+    partners mirrored) and AD-PSGD (every worker) at 40 workers too."""
+    status = main(["plan", "--workers", "4", "40", "--model", "1M", "--algorithms",
+                   "allreduce,wagma:group_size=2,adpsgd", "--warmup", "1", "--steps", "1",
+                   "--out", str(tmp_path)])
+    assert status == 0
+    assert "left out" not in capsys.readouterr().err
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert sorted((r["workers"], r["method"]) for r in rows) == [
+        (n, m) for n in (4, 40) for m in ("adpsgd", "allreduce", "wagma:group_size=2")]

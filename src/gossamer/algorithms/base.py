@@ -63,13 +63,33 @@ class Algorithm(ABC):
         preset's it was built as (``dgc`` for AllReduce with DGC's compressor)."""
         return self.name
 
+    #: How a symmetric method's peers mirror one worker's messages in the one-worker
+    #: simulation (:mod:`gossamer.comm.mirror`): ``"rotation"``, the peers a rotation of the
+    #: ranks (a circulant graph, or one partner a call); ``"partners"``, the message received
+    #: from a peer its copy of the one sent to it (groups whose members send to each other),
+    #: which the simulation checks as it goes.
+    mirror: ClassVar[str] = "rotation"
+    #: Whether what the method sends depends only on how many elements of each dtype the
+    #: model's parameters (and its floating-point buffers) have, not on how they split into
+    #: tensors (its runtime moves flat copies of them): the timing-only predictor then
+    #: simulates it on a model of one tensor of each (:func:`gossamer.plan.predict`).
+    flat_parameters: ClassVar[bool] = False
+    #: Whether a worker may wait, in a step, for what another sends only when it finishes
+    #: training (:meth:`Runtime.finish`: on unlike workers, a WAGMA worker behind may wait for
+    #: a model that a partner done with its steps never publishes, until the partner's pause
+    #: tells it to go on without): a prediction that simulates every worker then finishes each
+    #: after its measured steps, or some would wait for ever. False where nothing waits for a
+    #: peer's end, which is then left out (it comes after every measured step).
+    peers_wait_for_finish: ClassVar[bool] = True
+
     def symmetric(self) -> bool:
         """Whether, on a cluster of equal workers and links, every worker makes the same calls
         at the same virtual times, its peers mirroring it (the same collectives; messages
-        whose pattern is a rotation of the ranks, or one partner a call): the timing-only
-        predictor then simulates one worker for all (:mod:`gossamer.comm.mirror`). False
-        unless a method declares it; tests/test_mirror.py checks every declaration
-        against the simulation of every worker."""
+        whose pattern is a rotation of the ranks, or one partner a call, or partners that
+        send to each other: :attr:`mirror`): the timing-only predictor then simulates one
+        worker for all (:mod:`gossamer.comm.mirror`). False unless a method declares it;
+        tests/test_mirror.py checks every declaration against the simulation of every
+        worker."""
         return False
 
     def validate(self, world_size: int) -> None:

@@ -100,6 +100,8 @@ class WAGMA(GossipAlgorithm):
     name: ClassVar[str] = "wagma"
     default_topology: ClassVar[str] = "butterfly_groups"
     continues_after_failure: ClassVar[bool] = True
+    mirror: ClassVar[str] = "partners"  # a group's members send to each other
+    flat_parameters: ClassVar[bool] = True  # models published and averaged as flat copies
 
     group_size: int = option(4, "the paper's group size: workers per averaging group; higher: "
                              "groups average more workers, more bytes per round")
@@ -121,7 +123,17 @@ class WAGMA(GossipAlgorithm):
                 "ages; not proven on local shards yet")
 
     def symmetric(self) -> bool:
-        return False  # receives posted ahead of the sends, from partners that differ by round
+        # Asynchronous (tau >= 1) on groups of one size: each member sends its model to the
+        # others of its group, and finds theirs there when it averages, so on alike workers
+        # and links every worker keeps in step; the one-worker simulation checks that as it
+        # goes (its "partners" mirror). A synchronous group average (tau = 0) waits for the
+        # members' models, which each sends in rank order: the members' waits differ by
+        # their places in the senders' queues.
+        if not self.tau or not isinstance(self.topology, Topology):
+            return False
+        topology = self.topology
+        return all(len({len(g) for g in topology.groups(p)}) == 1
+                   for p in range(topology.period))
 
     def check_world_size(self, world_size: int) -> None:
         if isinstance(self.topology, str) and world_size % self.group_size:

@@ -76,8 +76,7 @@ class WAGMAChannels(GossipRuntime):
         return sorted({j for p in range(period) for j in self._group_of(p)} - {self.comm.rank})
 
     def _group_of(self, round_: int) -> list[int]:
-        rank = self.comm.rank
-        return next(g for g in self.topology.groups(round_) if rank in g)
+        return self.topology.group_of(self.comm.rank, round_)
 
     def groups(self, round_: int) -> list[list[int]]:
         """Every group of ``round_`` (they partition the ranks)."""

@@ -19,6 +19,19 @@ other ranks made the same call at the same moment:
   rotation of the ranks, as on a circulant graph); it left at the same time and arrives when
   that one arrives. A receive posted in a call that sends nothing (an all-to-all that posts
   its receives first) is filled by the first later call that sends to ``2 * rank - q``.
+- with ``mirror="partners"`` (WAGMA's groups, whose members send to each other) a message
+  received from ``q`` is ``q``'s copy of the one this worker sends to ``q``, matched in order
+  as SimWorld matches messages with receives (the ``k``-th from ``q`` fills the ``k``-th
+  receive posted for ``q``). Each sender sends to its partners in its own order (rank order),
+  so that the copy bound for one worker leaves earlier or later in its sender's queue than
+  this worker's own message to that sender: its arrival is known only to lie between the
+  first and the last arrival of the messages this worker sent since it last looked at a
+  receive (a *burst*: a method mirrored by partners sends every message of a round before it
+  looks at any it received). Every look at such a message (is it there yet, wait for it) must
+  then come out the same anywhere in that span, for every worker: one that does not (a
+  message there for some workers and not yet for others, a wait whose end differs) raises
+  :class:`NotSymmetric`. So the workers keep in step, or the one-worker simulation says it
+  cannot stand for them.
 
 The cost of a prediction thus no longer grows with the number of workers, beyond what the
 method's own code does per member (an all-gather's parts). The bytes are the mean over the
@@ -41,7 +54,9 @@ Example::
 
 from __future__ import annotations
 
+from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -96,16 +111,24 @@ def homogeneous(world_size: int, network: NetworkModel, compute: ComputeModel) -
     return ""
 
 
+#: how the peers' messages mirror this worker's (see the module docs)
+MIRRORS = ("rotation", "partners")
+
+
 class MirrorWorld:
     """Rank 0 of ``world_size`` workers, simulated alone for a symmetric method (see the
     module docs); timing-only. Takes SimWorld's arguments, on a homogeneous cluster
-    (:func:`homogeneous`: ValueError otherwise)."""
+    (:func:`homogeneous`: ValueError otherwise), and ``mirror``: how a message received
+    mirrors one sent, ``"rotation"`` (default) or ``"partners"`` (module docs)."""
 
     def __init__(self, world_size: int, *, network: NetworkModel | None = None,
                  compute: ComputeModel | None = None, seed: int = 0,
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, mirror: str = "rotation") -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if mirror not in MIRRORS:
+            raise ValueError(f"mirror must be one of {', '.join(MIRRORS)}, got {mirror!r}")
+        self.mirror = mirror
         self.world_size = world_size
         self.network = network if network is not None else NetworkModel()
         self.compute = compute if compute is not None else ComputeModel()
@@ -123,13 +146,16 @@ class MirrorWorld:
 
         saved_rng, saved_grad = torch.get_rng_state(), torch.is_grad_enabled()
         self.groups: dict[Hashable, int] = {}
+        self.member_index: dict[int, dict[int, int]] = {}
+        self.everyone = tuple(range(self.world_size))
         self._durations: dict[Hashable, float] = {}
         self.shared: dict[str, Any] = {}
+        self.burst: _Burst | None = None  # partners: the messages sent since the last look
         self.worker = SimWorker(0, self.seed)
         torch.default_generator.set_state(self.worker.torch_rng)  # as SimWorld's rank 0
         try:
             with SizeOnlyMode():
-                return fn(MirrorComm(self, self.worker, tuple(range(self.world_size))),
+                return fn(MirrorComm(self, self.worker, self.everyone),
                           *args, **kwargs)
         finally:
             torch.set_rng_state(saved_rng)
@@ -172,6 +198,11 @@ class MirrorWorld:
         assert isinstance(wait, ExchangeWait) and wait.handle is not None
         deadline = wait.started + self.timeout
         completion = wait.handle.completion()
+        if isinstance(wait.handle, _PartnerHandle):
+            # every worker must go on at one time: its wait ends, or none waits at all
+            if completion > max(w.clock, wait.handle.earliest()):
+                raise NotSymmetric(f"{wait.op}: waits for a message from a partner that "
+                                   "arrives at different times on different workers")
         if completion > deadline:
             self.wake(w, deadline, CommTimeoutError(
                 f"{wait.op} on rank {w.rank} timed out after {self.timeout:g} s (virtual)",
@@ -189,6 +220,11 @@ class MirrorComm(SimComm):
         super().__init__(*args, **kwargs)
         #: receives posted with nothing sent in their call, by source: see _fill_posted
         self._posted: list[tuple[int, ReceiveSlot]] = []
+        #: partners: the receives posted and not filled yet, by source, oldest first; and the
+        #: partners' copies of messages that no receive was posted for yet
+        self._waiting: defaultdict[int, deque[_PartnerSlot]] = defaultdict(deque)
+        self._arrived: defaultdict[int, deque[tuple[torch.Tensor, float, _Burst]]] = \
+            defaultdict(deque)
 
     def _collective_done(self, key: Hashable, duration: Callable[[], float]) -> None:
         """This worker and every other member arrive now; the collective ends ``duration()``
@@ -289,6 +325,8 @@ class MirrorComm(SimComm):
         counted = self._counting
         if counted:
             self._count("exchange")
+        if self._world.mirror == "partners":
+            return self._exchange_partners(sends, recv_from, like, name, counted)
         w, network = self._worker, self._world.network
         sends_done = w.clock
         sent: dict[int, tuple[torch.Tensor, float]] = {}
@@ -336,6 +374,43 @@ class MirrorComm(SimComm):
                 slot.tensor, slot.arrival = mirror[0].detach().clone(), mirror[1]
         self._posted = waiting
 
+    def _exchange_partners(self, sends: Mapping[int, torch.Tensor], recv_from: Sequence[int],
+                           like: torch.Tensor | None, name: str, counted: bool) -> SimHandle:
+        """:meth:`exchange` where partners mirror each other: each message this worker
+        sends to ``q`` stands for ``q``'s to it, which fills the oldest receive posted for
+        ``q`` (or waits for the next one posted), as SimWorld matches them; its arrival is
+        the span of the burst it was sent in (module docs)."""
+        w, world = self._worker, self._world
+        network = world.network
+        sends_done = w.clock
+        if sends and world.burst is None:
+            world.burst = _Burst()
+        for peer, tensor in sends.items():
+            nbytes = tensor_nbytes(tensor)
+            dst = self._members[peer]
+            start = max(w.clock, w.nic_free)
+            w.nic_free = start + network.transfer_time(w.rank, dst, nbytes)
+            arrival = w.nic_free + network.message_time(w.rank, dst, 0)
+            sends_done = w.nic_free
+            world.burst.add(start, arrival)
+            if counted:
+                self._record(peer, nbytes, sent=True)
+                self._mean(nbytes, 1)
+            message = (tensor.detach().clone(), arrival, world.burst)
+            if self._waiting[peer]:
+                self._waiting[peer].popleft().fill(*message)
+            else:
+                self._arrived[peer].append(message)
+        slots = []
+        for src in recv_from:
+            slot = _PartnerSlot(self._members[src])
+            slots.append(slot)
+            if self._arrived[src]:
+                slot.fill(*self._arrived[src].popleft())
+            else:
+                self._waiting[src].append(slot)
+        return _PartnerHandle(self, slots, sends_done, like, name, counted)
+
     # ---- what one worker cannot stand for
     def regroup(self, rank: int, members: Sequence[int], name: str) -> NoReturn:
         raise NotSymmetric("a membership change")
@@ -350,3 +425,73 @@ class MirrorComm(SimComm):
         w = self._worker
         w.idle_time += seconds
         w.clock += seconds
+
+
+class _Burst:
+    """The messages a worker sent since it last looked at a receive (partners): when they
+    left its NIC and arrived, earliest and latest. A partner's copy bound for any worker
+    left in the same burst of the partner's, in another place in its queue."""
+
+    __slots__ = ("first", "last", "started")
+
+    def __init__(self) -> None:
+        self.first = float("inf")  # the earliest arrival
+        self.last = -float("inf")  # the latest arrival
+        self.started = -float("inf")  # when the last send started
+
+    def add(self, start: float, arrival: float) -> None:
+        self.first = min(self.first, arrival)
+        self.last = max(self.last, arrival)
+        self.started = max(self.started, start)
+
+
+@dataclass
+class _PartnerSlot(ReceiveSlot):
+    """A receive filled by a partner's copy of a message this worker sent in ``burst``."""
+
+    burst: _Burst | None = None
+
+    def fill(self, tensor: torch.Tensor, arrival: float, burst: _Burst) -> None:
+        self.tensor, self.arrival, self.burst = tensor, arrival, burst
+
+
+class _PartnerHandle(SimHandle):
+    """An exchange where partners mirror each other: what its receives say must be the same
+    for every worker, wherever in its burst each partner's copy left (module docs)."""
+
+    _slots: list[_PartnerSlot]
+
+    def completion(self) -> float:
+        """The latest time, over the workers, at which every send left and every receive
+        arrived (a receive not filled: its burst's last arrival once it is)."""
+        return max([self._sends_done] + [s.burst.last for s in self._slots
+                                         if s.burst is not None])
+
+    def earliest(self) -> float:
+        """The earliest such time over the workers."""
+        return max([self._sends_done] + [s.burst.first for s in self._slots
+                                         if s.burst is not None])
+
+    def ready(self) -> bool:
+        if self._result is not None:
+            return True
+        w = self._view._worker
+        if not self._slots:  # sends only: this worker's own NIC, the same on every worker
+            return self._sends_done <= w.clock
+        self._view._world.burst = None  # a look at the receives ends the burst
+        if any(s.tensor is None for s in self._slots):
+            # a message not sent yet: its copies are not sent yet on any worker either (every
+            # message of a round leaves before a receive is looked at)
+            return False
+        if self.completion() <= w.clock and all(s.burst.started < w.clock
+                                                for s in self._slots):
+            return True  # there on every worker (sent before this time, arrived by it)
+        if self.earliest() > w.clock:
+            return False  # on none
+        raise NotSymmetric(f"{self._name}: a message from a partner has arrived on some "
+                           "workers and not on others when they look for it")
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self._slots and self._result is None:
+            self._view._world.burst = None
+        return super().wait()

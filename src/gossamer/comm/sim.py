@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import _thread
 import functools
+import gc
 import heapq
 import math
 import signal
@@ -74,6 +75,8 @@ from gossamer.comm.network import ComputeModel, NetworkModel
 from gossamer.comm.p2p_group import HEADER_BYTES, divide_
 
 _READY, _RUNNING, _BLOCKED, _DONE = "ready", "running", "blocked", "done"
+#: allocations between the cyclic collector's young passes during a run (see SimWorld.run)
+GC_THRESHOLD = 100_000
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -203,8 +206,9 @@ class SimWorld:
 
     What a :class:`SimComm` asks of the world it runs in is public, as a
     :class:`~gossamer.comm.mirror.MirrorWorld` (one worker that stands for all) answers it
-    too: :attr:`groups` (an id for each set of members) and :attr:`shared` (the run's
-    key-value store), both set up by each run, and :meth:`sync`, :meth:`yield_turn`,
+    too: :attr:`groups` (an id for each set of members), :attr:`member_index` (each group's
+    local rank of every member), :attr:`everyone` (the world's ranks) and :attr:`shared` (the
+    run's key-value store), all set up by each run, and :meth:`sync`, :meth:`yield_turn`,
     :meth:`block`, :meth:`wake`, :meth:`wake_if_complete` and :meth:`collective_duration`.
     The rest (matching collectives and messages) serves the calls that MirrorComm replaces.
 
@@ -266,6 +270,11 @@ class SimWorld:
             raise RuntimeError("SimWorld.run is not re-entrant")
         self._in_run = True
         saved_rng, saved_grad = torch.get_rng_state(), torch.is_grad_enabled()
+        # The workers' objects live as long as the run (millions of them at 10,000 workers),
+        # and the cyclic collector's passes over them, every 700 allocations by default,
+        # cost a quarter of a run that finds almost no cycles: every 100,000 they cost little
+        thresholds = gc.get_threshold()
+        gc.set_threshold(max(thresholds[0], GC_THRESHOLD), *thresholds[1:])
         try:
             if not self.timing_only:
                 return self._run(fn, args, kwargs)
@@ -274,6 +283,7 @@ class SimWorld:
             with SizeOnlyMode():
                 return self._run(fn, args, kwargs)
         finally:
+            gc.set_threshold(*thresholds)
             torch.set_rng_state(saved_rng)
             torch.set_grad_enabled(saved_grad)
             self._in_run = False
@@ -287,6 +297,8 @@ class SimWorld:
         # members -> a small id: collectives are keyed by it, not by the members' tuple, whose
         # hash costs as much as its length (10,000 workers: 50 us per collective per worker)
         self.groups: dict[Hashable, int] = {}  # by members (and epoch)
+        self.member_index: dict[int, dict[int, int]] = {}  # group id -> global -> local rank
+        self.everyone = tuple(range(n))  # the world's members, one tuple for every worker
         self._durations: dict[Hashable, float] = {}  # see collective_duration
         self._inbox: dict[tuple[int, int], deque[tuple[torch.Tensor, float]]] = defaultdict(deque)
         self._posted: dict[tuple[int, int], deque[ReceiveSlot]] = defaultdict(deque)
@@ -343,7 +355,7 @@ class SimWorld:
         """The body of ``w``'s greenlet: its first turn starts here."""
         self._resume(w)
         try:
-            w.result = fn(SimComm(self, w, tuple(range(self.world_size))), *args, **kwargs)
+            w.result = fn(SimComm(self, w, self.everyone), *args, **kwargs)
         except KeyboardInterrupt:
             if self._hung != w.rank:
                 raise  # a real Ctrl-C: stop the whole simulation
@@ -448,7 +460,16 @@ class SimWorld:
     def sync(self, w: SimWorker) -> None:
         """Let every worker that is earlier in virtual time act first: afterwards nothing
         can happen any more at a virtual time before ``w``'s clock."""
-        heapq.heappush(self._ready, (w.clock, w.rank))
+        ready, deadlines = self._ready, self._deadlines
+        if (not ready or (w.clock, w.rank) < ready[0]) and not (
+                deadlines and deadlines[0][0] < w.clock) and w.wake_error is None \
+                and not torch.is_inference_mode_enabled():
+            # the scheduler would pick ``w`` again: go on without giving up the turn (an
+            # asynchronous method looks for each peer's message this way, 10,000 workers
+            # times a step)
+            self._switched_at = time.perf_counter()
+            return
+        heapq.heappush(ready, (w.clock, w.rank))
         w.state = _READY
         self.yield_turn(w)
 
@@ -770,10 +791,17 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
         self._epoch = epoch
         key = members if epoch is None else (members, epoch)
         self._group = world.groups.setdefault(key, len(world.groups))
-        self._index = {g: i for i, g in enumerate(members)}
-        super().__init__(self._index[worker.rank], len(members),
-                         worker.stats if len(members) == world.world_size
-                         and members == tuple(range(world.world_size)) else CommStats())
+        # the members' local ranks, one mapping per group for all its members (10,000 workers
+        # each with a map of the world's ranks would hold 10^8 entries)
+        index = world.member_index.get(self._group)
+        if index is None:
+            index = world.member_index[self._group] = {g: i for i, g in enumerate(members)}
+        self._index = index
+        everyone = world.everyone
+        super().__init__(index[worker.rank], len(members),
+                         worker.stats if members is everyone or (
+                             len(members) == world.world_size and members == everyone)
+                         else CommStats())
         # Where traffic is counted: here (in this view's ranks), in every enclosing group (in
         # its ranks: a subgroup's traffic is its parent's too, as a P2PGroup's goes through
         # its parent) and in the worker's stats (global ranks), each stats object once.

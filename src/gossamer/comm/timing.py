@@ -490,7 +490,7 @@ def _foreach_copy(mode: SizeOnlyMode, func, args, kwargs):
 
 def _cat(mode: SizeOnlyMode, func, args, kwargs):
     (tensors, *rest), kwargs = mode._to_meta(tuple(args), kwargs)
-    out = func(tensors, *rest, **kwargs)
+    out = mode.call(func, (tensors, *rest), kwargs)  # torch's meta cat is Python: remembered
     mode.known.pop(_key(out), None)
     dim = rest[0] if rest else kwargs.get("dim", 0)
     if not mode.known or out.dim() != 1 or dim not in (0, -1):

@@ -186,7 +186,8 @@ class StampedMailbox:
         tensor (a copy). A closing message closes the channel: every receive posted for
         ``peer`` is completed and none is posted again."""
         message = self.inbox.take(peer, repost=False)
-        acked, kind, *fields = (int(v) for v in message[-self._trailer:].view(torch.int64))
+        # one read of the trailer (one device synchronisation, not one per value)
+        acked, kind, *fields = message[-self._trailer:].view(torch.int64).tolist()
         x = message[:-self._trailer].view(self._dtype).clone()
         self.taken[peer] += 1
         self.acked[peer] = max(self.acked[peer], acked)

@@ -24,10 +24,6 @@ DESCRIPTION = ("Predict each method's time per step, bytes per worker per step, 
 
 #: the method every speed-up is over
 BASELINE = "allreduce"
-#: above this many workers a method that is not symmetric is left out by default: simulated
-#: worker by worker, WAGMA of ResNet-50 takes about 0.2 s of CPU per worker (half an hour at
-#: 10,000)
-EVERY_WORKER_UP_TO = 32
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,10 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithms", default=None,
                    help="comma-separated NAME or NAME:KEY=VALUE entries (default: every "
                    "registered method; with --compare-dir, the methods of its runs)")
-    p.add_argument("--every-worker-up-to", type=int, default=EVERY_WORKER_UP_TO, metavar="N",
-                   help="a method that is not symmetric (WAGMA, AD-PSGD) is "
-                   "simulated worker by worker, at a cost that grows with the workers: it is "
-                   f"left out above N workers (default {EVERY_WORKER_UP_TO})")
+    p.add_argument("--every-worker-up-to", type=int, default=None, metavar="N",
+                   help="deprecated, no longer needed: every method is predicted at every "
+                   "worker count (10,000 workers of AD-PSGD, simulated worker by worker, take "
+                   "about a minute). Given, a method that is not symmetric is left out above "
+                   "N workers, as before (default: none)")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones "
                    "(default 2)")
     p.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
@@ -149,7 +146,7 @@ def _check_rate(arg: str, value: str | None) -> None:
                          "is refused)")
 
 
-def _admitted(entries: list[tuple[str, Any]], workers: list[int], every_up_to: int
+def _admitted(entries: list[tuple[str, Any]], workers: list[int], every_up_to: int | None
               ) -> dict[int, list[tuple[str, Any]]]:
     """The entries that can be predicted at each worker count, found before any simulation
     of the model: each method is built and resolved for every worker count (a group size
@@ -179,10 +176,10 @@ def _admitted(entries: list[tuple[str, Any]], workers: list[int], every_up_to: i
             except ValueError as error:  # e.g. a group size that does not divide n
                 print(f"  {label} at {n} workers: left out ({error})", file=sys.stderr)
                 continue
-            if n > every_up_to and not resolved.symmetric():
-                print(f"  {label} at {n} workers: left out (simulated worker by worker, which "
-                      f"takes long above --every-worker-up-to {every_up_to}: raise it to "
-                      "include it)", file=sys.stderr)
+            if every_up_to is not None and n > every_up_to and not resolved.symmetric():
+                print(f"  {label} at {n} workers: left out (simulated worker by worker, above "
+                      f"--every-worker-up-to {every_up_to}: leave the option out to include "
+                      "it)", file=sys.stderr)
                 limited.append(n)
                 continue
             admitted[n].append((label, spec))
@@ -226,8 +223,11 @@ def plan(args: argparse.Namespace, *, on_row: Any = None) -> dict[str, Any]:
                            node_latency=args.node_latency)
     stragglers = parse_stragglers(args.straggler)
     runs = steps_to_target(args.compare_dir, args.target) if args.compare_dir else None
-    if args.every_worker_up_to < 1:
-        raise ValueError(f"--every-worker-up-to must be >= 1, got {args.every_worker_up_to}")
+    if args.every_worker_up_to is not None:
+        if args.every_worker_up_to < 1:
+            raise ValueError(f"--every-worker-up-to must be >= 1, got {args.every_worker_up_to}")
+        print("  --every-worker-up-to is deprecated: every method is predicted at every worker "
+              "count without it", file=sys.stderr)
     admitted = _admitted(_entries(args, runs), args.workers, args.every_worker_up_to)
     result = {"model": model_label, "compute_time": args.compute_time,
               "latency": args.latency, "bandwidth": network.bandwidth,

@@ -21,20 +21,24 @@ from torch import nn
 
 from gossamer.algorithms import Algorithm, create
 from gossamer.comm import ComputeModel, NetworkModel, SimWorld
-from gossamer.comm.mirror import MirrorComm, MirrorWorld, homogeneous
+from gossamer.comm.mirror import MirrorComm, MirrorWorld, NotSymmetric, homogeneous
 from gossamer.comm.timing import META
 
-__all__ = ["Prediction", "cycle", "predict", "step_worker"]
+__all__ = ["Prediction", "cycle", "flat_model", "predict", "step_worker"]
 
 
 def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, warmup: int,
-                steps: int, size_only: bool, lr: float = 0.05) -> dict[str, float]:
+                steps: int, size_only: bool, lr: float = 0.05,
+                finish: bool = True) -> dict[str, float]:
     """One worker: a barrier, then ``warmup`` and ``steps`` training steps of ``algorithm`` on
     the model ``build()`` makes (on the meta device with ``size_only``), SGD with momentum at
     ``lr`` (QSR's period follows it); what the measured steps cost on this worker's virtual
     clock. Real gradients are fixed random tensors seeded by the rank; size-only ones have
     shapes only. The run's length is not given to the method: a last local SGD round would
-    average at the end of the measured steps."""
+    average at the end of the measured steps. With ``finish`` the method then settles and
+    averages as at the end of training (``optimizer.finish()``), which the figures returned
+    never include; :func:`predict` leaves it out where no other worker waits for it
+    (:attr:`~gossamer.algorithms.Algorithm.peers_wait_for_finish`)."""
     import gossamer
 
     if size_only:
@@ -65,7 +69,8 @@ def step_worker(comm, algorithm: Algorithm, build: Callable[[], nn.Module], *, w
     for _ in range(steps):
         step()
     end = (comm.clock(), comm.idle_time, *_sent(comm))
-    optimizer.finish()
+    if finish:
+        optimizer.finish()
     seconds, idle, sent, messages = (b - a for a, b in zip(start, end, strict=True))
     return {"seconds": seconds, "idle": idle, "bytes": sent, "messages": messages}
 
@@ -76,6 +81,40 @@ def _sent(comm) -> tuple[float, float]:
     if isinstance(comm, MirrorComm):
         return comm.mean_sent
     return comm.stats.total_bytes_sent, comm.stats.total_messages_sent
+
+
+class _Flat(nn.Module):
+    """Parameters and buffers of given dtypes and sizes, one flat tensor each, in order."""
+
+    def __init__(self, parameters: list[tuple[torch.dtype, bool, int]],
+                 buffers: list[tuple[torch.dtype, int]]) -> None:
+        super().__init__()
+        for i, (dtype, grad, numel) in enumerate(parameters):
+            self.register_parameter(f"parameters{i}", nn.Parameter(
+                torch.empty(numel, dtype=dtype), requires_grad=grad))
+        for i, (dtype, numel) in enumerate(buffers):
+            self.register_buffer(f"buffers{i}", torch.empty(numel, dtype=dtype))
+
+
+def flat_model(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """A builder of the stand-in of ``build()``'s model for a method that moves flat copies
+    of it (:attr:`~gossamer.algorithms.Algorithm.flat_parameters`): one parameter per dtype
+    and ``requires_grad`` and one buffer per dtype, each as large as all of the model's of
+    its kind, in the order of their first appearance (the order of the flat buffers). Its
+    flat copies, and their messages, are the model's; a worker's step works on a few
+    tensors instead of hundreds (ResNet-50's 161 parameters and 212 buffers). Shapes only:
+    build it on the ``meta`` device."""
+    with torch.device(META):
+        model = build()
+    parameters: dict[tuple[torch.dtype, bool], int] = {}
+    for p in model.parameters():
+        parameters[p.dtype, p.requires_grad] = parameters.get((p.dtype, p.requires_grad),
+                                                              0) + p.numel()
+    buffers: dict[torch.dtype, int] = {}
+    for b in model.buffers():
+        buffers[b.dtype] = buffers.get(b.dtype, 0) + b.numel()
+    kinds = [(dtype, grad, numel) for (dtype, grad), numel in parameters.items()]
+    return lambda: _Flat(kinds, list(buffers.items()))
 
 
 def cycle(algorithm: Algorithm) -> int:
@@ -103,6 +142,25 @@ class Prediction:
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    @classmethod
+    def of_rows(cls, method: str, rows: list[dict[str, float]], steps: int,
+                real_seconds: float) -> Prediction:
+        """The prediction of :func:`step_worker`'s rows, one per worker (of ``steps``
+        measured steps each)."""
+        workers = len(rows)
+        per_step = [r["seconds"] / steps for r in rows]
+        return cls(
+            method=method,
+            workers=workers,
+            steps=steps,
+            step_time=max(per_step),
+            mean_step_time=sum(per_step) / workers,
+            bytes_per_step=sum(r["bytes"] for r in rows) / workers / steps,
+            idle_fraction=sum(r["idle"] / r["seconds"] if r["seconds"] else 0.0
+                              for r in rows) / workers,
+            real_seconds=real_seconds,
+        )
+
 
 def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Module], *,
             network: NetworkModel, compute: ComputeModel, warmup: int = 2, steps: int = 3,
@@ -116,8 +174,12 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
     ``simulate``: ``"auto"`` (default) simulates one worker for all
     (:class:`~gossamer.comm.mirror.MirrorWorld`) where the method is symmetric
     (:meth:`~gossamer.algorithms.Algorithm.symmetric`) and the workers and links are alike,
-    every worker otherwise; ``"every"`` always simulates every worker (the same figures,
-    slower); ``"one"`` insists on one (ValueError where it cannot stand for all).
+    every worker otherwise (also where the one-worker simulation finds that the workers do
+    not keep in step: WAGMA's partners, checked as it goes); ``"every"`` always simulates
+    every worker (the same figures, slower); ``"one"`` insists on one (ValueError where it
+    cannot stand for all). A method that moves flat copies of the model
+    (:attr:`~gossamer.algorithms.Algorithm.flat_parameters`) is simulated on its stand-in
+    (:func:`flat_model`): the same figures.
 
     Example::
 
@@ -142,24 +204,25 @@ def predict(algorithm: str | Algorithm, workers: int, build: Callable[[], nn.Mod
                          "every worker simulated (" + (homogeneous(workers, network, compute)
                                                        or "not a symmetric method") + ")")
     started = time.perf_counter()
-    kwargs = {"warmup": warmup, "steps": steps, "size_only": True, "lr": lr}
+    # the end of training comes after the measured steps: it is left out where nobody waits
+    # for it (one worker for all; AD-PSGD, whose settling grows with the square of the workers)
+    kwargs = {"warmup": warmup, "steps": steps, "size_only": True, "lr": lr,
+              "finish": algorithm.peers_wait_for_finish}
+    if algorithm.flat_parameters:
+        build = flat_model(build)
     if one:
-        rows = [MirrorWorld(workers, network=network, compute=compute, seed=seed).run(
-            step_worker, algorithm, build, **kwargs)] * workers
-    else:
+        try:
+            rows = [MirrorWorld(workers, network=network, compute=compute, seed=seed,
+                                mirror=algorithm.mirror).run(
+                step_worker, algorithm, build, **{**kwargs, "finish": False})] * workers
+        except NotSymmetric as error:
+            if simulate == "one":
+                raise ValueError(f"simulate='one': {label or algorithm.label} at {workers} "
+                                 f"workers needs every worker simulated ({error})") from None
+            one = False
+    if not one:
         world = SimWorld(workers, network=network, compute=compute, seed=seed,
                          timing_only=True)
         rows = world.run(step_worker, algorithm, build, **kwargs)
-    real = time.perf_counter() - started
-    per_step = [r["seconds"] / steps for r in rows]
-    return Prediction(
-        method=label or algorithm.label,
-        workers=workers,
-        steps=steps,
-        step_time=max(per_step),
-        mean_step_time=sum(per_step) / workers,
-        bytes_per_step=sum(r["bytes"] for r in rows) / workers / steps,
-        idle_fraction=sum(r["idle"] / r["seconds"] if r["seconds"] else 0.0
-                          for r in rows) / workers,
-        real_seconds=real,
-    )
+    return Prediction.of_rows(label or algorithm.label, rows, steps,
+                              time.perf_counter() - started)

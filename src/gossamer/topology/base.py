@@ -105,6 +105,8 @@ class Topology:
         self._in = tuple(
             tuple([j for j in row if j != i] for i, row in enumerate(rows)) for rows in self._rows
         )
+        #: phase -> its components and each rank's (see _components)
+        self._component_cache: dict[int, tuple[list[tuple[int, ...]], list[int]]] = {}
 
     # -- basic properties -------------------------------------------------------------------
 
@@ -204,7 +206,30 @@ class Topology:
 
         Group-averaging algorithms all-reduce within each component.
         """
-        p = self._phase(step)
+        return [list(g) for g in self._components(self._phase(step))[0]]
+
+    def group_of(self, rank: int, step: int) -> list[int]:
+        """The component of :meth:`groups` that holds ``rank`` at ``step`` (sorted): found
+        once per phase for every rank, where a search of :meth:`groups` costs a pass over
+        all ranks (10,000 workers of a group method ask for their group every round)."""
+        groups, index = self._components(self._phase(step))
+        return list(groups[index[self._rank(rank)]])
+
+    def _components(self, p: int) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Phase ``p``'s components, sorted by their first rank, and each rank's component
+        (its index in that list); worked out at the first call (the phases never change)."""
+        cache = self._component_cache
+        found = cache.get(p)
+        if found is None:
+            groups = [tuple(g) for g in self._find_components(p)]
+            index = [0] * self._n
+            for i, group in enumerate(groups):
+                for r in group:
+                    index[r] = i
+            found = cache[p] = (groups, index)
+        return found
+
+    def _find_components(self, p: int) -> list[list[int]]:
         parent = list(range(self._n))
 
         def find(x: int) -> int:
