@@ -107,8 +107,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "which workers sent a non-finite flag: the step is dropped or the run stops",
     ("algorithms/wagma_channels.py", "WAGMAChannels._global_average", "bool()"):
         "whether the group average is a global one: which messages follow",
-    ("patterns/mailbox.py", "StampedMailbox.take.<locals>.<genexpr>", "int()"):
-        "a message's stamps (acknowledgement, kind, step): the protocol's next move",
+    ("patterns/mailbox.py", "StampedMailbox.take", "tolist()"):
+        "a message's stamps (acknowledgement, kind, step), read at once: the protocol's next "
+        "move",
     ("compress/sparse_allreduce.py", "_byte_counts", "item()"):
         "how many bytes each peer sends here: the receive buffers' sizes",
 }

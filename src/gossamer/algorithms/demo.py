@@ -57,6 +57,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -149,9 +150,11 @@ def chunk_side(size: int, target: int) -> int:
     return max((d for d in range(1, min(size, target) + 1) if size % d == 0), default=1)
 
 
+@functools.lru_cache(maxsize=64)
 def dct_matrix(n: int) -> torch.Tensor:
     """The orthonormal DCT-II matrix C (float64): ``X = C x``, ``x = C^T X``;
-    ``C[k, j] = sqrt(2 / n) cos(pi (2 j + 1) k / (2 n))``, row 0 divided by sqrt(2)."""
+    ``C[k, j] = sqrt(2 / n) cos(pi (2 j + 1) k / (2 n))``, row 0 divided by sqrt(2). Made
+    once per size (a model's tensors share a few sizes): read-only."""
     k = torch.arange(n, dtype=torch.float64).view(n, 1)
     j = torch.arange(n, dtype=torch.float64).view(1, n)
     c = math.sqrt(2 / n) * torch.cos(math.pi * (2 * j + 1) * k / (2 * n))

@@ -65,6 +65,7 @@ from gossamer.algorithms.outer import OuterStep, check_replicas, check_replicas_
 from gossamer.algorithms.rounds import QSR_WARMUPS, QuadraticRule, RoundSchedule
 from gossamer.checks import check_choice, check_int
 from gossamer.comm.base import Communicator
+from gossamer.comm.mirror import Copies
 from gossamer.comm.p2p_group import divide_
 from gossamer.options import option, option_of
 
@@ -111,8 +112,11 @@ class StatisticalQuantiser:
         return torch.cat([shift.view(1), table]), codes
 
     def decode(self, header: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """The float32 values of ``codes`` under ``header``."""
-        return header[1:].index_select(0, codes) + header[0]
+        """The float32 values of ``codes`` under ``header`` (or of each row of ``codes`` under
+        the same row of ``header``)."""
+        if header.dim() == 1:
+            return header[1:].index_select(0, codes) + header[0]
+        return torch.gather(header[:, 1:], 1, codes) + header[:, :1]  # one row per payload
 
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """``codes`` (each below B) packed ``8 / bits`` to a uint8, the first in the low bits."""
@@ -124,8 +128,16 @@ class StatisticalQuantiser:
     def unpack(self, data: torch.Tensor, count: int) -> torch.Tensor:
         per = 8 // self.bits
         shifts = torch.arange(per, device=data.device) * self.bits
-        codes = (data.long().view(-1, 1) >> shifts) & (self.bins - 1)
-        return codes.reshape(-1)[:count]
+        codes = (data.long().unsqueeze(-1) >> shifts) & (self.bins - 1)
+        return codes.flatten(-2)[..., :count]  # of each row of ``data``
+
+
+def field(payloads: torch.Tensor, offset: int, width: int, dtype: torch.dtype
+          ) -> torch.Tensor:
+    """Bytes ``offset`` to ``offset + width`` of each row of ``payloads``, read as ``dtype``
+    (a copy: a row's bytes at an odd offset cannot be viewed as a wider type)."""
+    part = payloads[:, offset:offset + width].clone(memory_format=torch.contiguous_format)
+    return part.view(dtype)
 
 
 class ChunkedTopK:
@@ -309,50 +321,67 @@ class SparseLoCoRuntime(DiLoCoRuntime):
             sent.append(sent_here)
         return torch.cat(parts), sent
 
-    def decompress(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """The dense tensors one worker's ``payload`` holds."""
+    def decode(self, payloads: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each tensor's positions and values in the payloads ``payloads`` (R, bytes): per
+        tensor, (index, values), each (R, chunks, k). Decoded for every payload at once: a
+        few operations per tensor whatever the number of workers."""
         out, offset = [], 0
+        rows = payloads.shape[0]
         for p, chunking in zip(self.trained, self.chunking, strict=True):
             count = chunking.chunks * chunking.k
             width = count * self.index_dtype.itemsize
-            index = payload[offset:offset + width].clone().view(self.index_dtype).long()
+            index = field(payloads, offset, width, self.index_dtype).long()
             offset += width
             if self.quantiser is None:
                 width = self._value_bytes(chunking, p.dtype)
-                values = payload[offset:offset + width].clone().view(p.dtype)
+                values = field(payloads, offset, width, p.dtype)
             else:
-                header = payload[offset:offset + self.quantiser.header_bytes()].clone().view(
-                    torch.float32)
-                offset += self.quantiser.header_bytes()
+                width = self.quantiser.header_bytes()
+                header = field(payloads, offset, width, torch.float32)
+                offset += width
                 width = self.quantiser.code_bytes(count)
-                codes = self.quantiser.unpack(payload[offset:offset + width], count)
+                codes = self.quantiser.unpack(payloads[:, offset:offset + width], count)
                 values = self.quantiser.decode(header, codes).to(p.dtype)
             offset += width
-            dense = torch.zeros(chunking.chunks, chunking.size, dtype=p.dtype,
-                                device=p.device)
-            dense.scatter_(-1, index.view(chunking.chunks, chunking.k),
-                           values.view(chunking.chunks, chunking.k))
-            out.append(chunking.join(dense))
+            shape = (rows, chunking.chunks, chunking.k)
+            out.append((index.view(shape), values.view(shape)))
         return out
+
+    def decompress(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """The dense tensors one worker's ``payload`` holds."""
+        return [self._scatter(chunking, p, index, values) for (index, values), chunking, p
+                in zip(self.decode(payload.view(1, -1)), self.chunking, self.trained,
+                       strict=True)]
+
+    @staticmethod
+    def _scatter(chunking: ChunkedTopK, p: torch.Tensor, index: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """The dense tensor of the sum of the rows of ``values`` at ``index``, added in row
+        order: the sum of the rows' dense tensors, bit for bit (a position a row did not
+        send adds nothing, where the dense sum adds an exact zero). The k positions of one
+        chunk in one row are distinct, so each ``scatter_add_`` is deterministic on every
+        device."""
+        total = torch.zeros(chunking.chunks, chunking.size, dtype=p.dtype, device=p.device)
+        for row in range(index.shape[0]):
+            total.scatter_add_(-1, index[row], values[row])
+        return chunking.join(total)
 
     @torch.no_grad()
     def reduce(self, deltas: list[torch.Tensor]) -> None:
         """Replace each pseudo-gradient by the average over the replicas of what each sent,
-        in place: one all-gather of every worker's payload."""
+        in place: one all-gather of every worker's payload, summed in rank order (the same
+        sums on every worker and backend)."""
         payload, _ = self.compress(deltas)
         gathered = self.across.all_gather(payload)
-        total = None
-        for data in gathered:  # rank order: the same sums on every worker and backend
-            dense = self.decompress(data)
-            if total is None:
-                total = dense
-            else:
-                for t, d in zip(total, dense, strict=True):
-                    t.add_(d)
-        assert total is not None
-        for delta, t in zip(deltas, total, strict=True):
-            divide_(t, len(gathered))
-            delta.copy_(t.view_as(delta))
+        # one worker standing for all (the planner's): the mean of equal parts is the part
+        same = isinstance(gathered, Copies)
+        decoded = self.decode(gathered.part.view(1, -1) if same else torch.stack(gathered))
+        for delta, p, chunking, (index, values) in zip(deltas, self.trained, self.chunking,
+                                                      decoded, strict=True):
+            total = self._scatter(chunking, p, index, values)
+            if not same:
+                divide_(total, len(gathered))
+            delta.copy_(total.view_as(delta))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(),

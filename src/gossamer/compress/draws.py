@@ -66,6 +66,8 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def keys(seed: int, n: int, device: torch.device, stream: int = 0) -> torch.Tensor:
     """Distinct int64 keys in [0, 2^32) of ``0..n-1`` (``n <= 2^32``), a keyed bijection:
     the same on every device."""
+    if torch.device(device).type == "meta":  # the timing-only simulator: a shape, no values
+        return torch.empty(n, dtype=torch.int64, device=device)
     x = torch.arange(n, dtype=torch.int64, device=device)
     for r in range(ROUNDS):
         x = _mix(x ^ (seed_value(seed, stream, r) & MASK))
