@@ -345,15 +345,40 @@ def test_states_travel_as_json_and_tensors_with_their_key_types():
 # ------------------------------------------------------------------- 4 gloo processes
 
 
+#: at the default settings (the communicator's 300 s timeout and the default liveness), the
+#: survivors regroup this long after the crash at most: a wait on a live peer stuck behind
+#: the dead one ends when the dead one's heartbeat is 3 s old, not at the timeout
+REGROUP_SECONDS = 10.0
+
+
+def _regroup_seconds(run_dir) -> float:
+    """Seconds between the last training record before the membership changed and the
+    first one after it (records every 10 steps, a few milliseconds of training apart)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    change = next(i for i, r in enumerate(records) if r["kind"] == "membership")
+    before = [r for r in records[:change] if r["kind"] == "train"][-1]
+    after = next(r for r in records[change:] if r["kind"] == "train")
+    return after["wall_clock"] - before["wall_clock"]
+
+
+@pytest.fixture
+def default_liveness(monkeypatch):
+    """The job's own liveness intervals, not the suite's shortened ones."""
+    monkeypatch.delenv("GOSSAMER_LIVENESS_SCALE", raising=False)
+
+
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.timing
-def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_path, capsys):
-    out = tmp_path / "result.json"
+def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(
+        tmp_path, capsys, default_liveness):
+    # at the default timeout: the survivors regroup within seconds, not after 300 s
+    out, run_dir = tmp_path / "result.json", tmp_path / "run"
     code = launch(["--algorithm", "sgp", *RUN, "--fault", CRASH, "--on-failure", "continue",
-                   "--timeout", "3", "--json", str(out)], nproc=4)
+                   "--json", str(out), "--run-dir", str(run_dir), "--log-every", "10"], nproc=4)
     err = capsys.readouterr().err
     assert code == 0, err  # the survivors finished every step and exited 0
+    assert _regroup_seconds(run_dir) < REGROUP_SECONDS
     assert "rank 2 exited with code 17; the others went on without it" in err
     result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 3 and result["step"] == STEPS  # every step, by 3 workers
@@ -367,18 +392,26 @@ def test_gloo_survivors_of_a_crash_finish_exit_0_and_match_the_simulator(tmp_pat
 @pytest.mark.slow
 @pytest.mark.gloo
 @pytest.mark.timing
-@pytest.mark.parametrize("algorithm", ["streaming-diloco", "adpsgd", "wagma", "gossipgrad"])
+@pytest.mark.parametrize("algorithm", ["streaming-diloco", "adpsgd", "wagma", "gossipgrad",
+                                       "localsgd", "demo"])
 def test_gloo_survivors_of_methods_with_messages_in_flight_go_on_as_in_the_simulator(
-        algorithm, tmp_path, capsys):
+        algorithm, tmp_path, capsys, default_liveness):
     # the methods whose exchanges are in flight when a worker dies: a fragment's exchange
     # (Streaming DiLoCo), pairwise requests (AD-PSGD), rounds with bounded staleness (WAGMA),
-    # a partner's gradients exchanged during backward on a communication thread (GossipGraD)
+    # a partner's gradients exchanged during backward on a communication thread (GossipGraD);
+    # and the blocking collectives: an all-reduce (local SGD; DiLoCo, SPARTA and SparseLoCo
+    # wait the same way) and an all-gather (DeMo). With SGP above (exchanges, as D-PSGD's),
+    # every kind of wait of the methods that go on, at the default timeout and liveness:
+    # regrouping within seconds, where a survivor stuck behind the dead worker used to sit
+    # out the 300 s timeout
     out, steps, crash = tmp_path / "result.json", 40, "2:20:crash"
+    run_dir = tmp_path / "run"
     code = launch(["--algorithm", algorithm, "--steps", str(steps), "--eval-every", str(steps),
-                   "--quiet", "--fault", crash, "--on-failure", "continue", "--timeout", "3",
-                   "--json", str(out)], nproc=4)
+                   "--quiet", "--fault", crash, "--on-failure", "continue", "--json", str(out),
+                   "--run-dir", str(run_dir), "--log-every", "10"], nproc=4)
     err = capsys.readouterr().err
     assert code == 0, err
+    assert _regroup_seconds(run_dir) < REGROUP_SECONDS
     assert "rank 2 exited with code 17; the others went on without it" in err
     result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 3 and result["step"] == steps

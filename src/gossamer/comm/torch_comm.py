@@ -846,17 +846,67 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
 
     def _wait(self, work, label: str, peers: list[int], deadline: float,
               collective: bool = True, seq: int | None = None) -> None:
-        # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond.
         started = time.perf_counter()
-        remaining = max(deadline - started, 1e-3)
         try:
-            done = work.wait(timeout=timedelta(seconds=remaining))
+            if self._backend == "gloo" and self._heartbeat is not None and peers:
+                done = self._wait_watching(work, peers, deadline)
+            else:
+                # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond
+                done = work.wait(timeout=timedelta(seconds=max(deadline - started, 1e-3)))
         except RuntimeError as exc:
             raise self._failure(label, peers, exc, deadline, collective, seq) from exc
         finally:
             self._idle += time.perf_counter() - started
         if done is False:
             raise self._failure(label, peers, None, deadline, collective, seq)
+
+    def _wait_watching(self, work, peers: list[int], deadline: float) -> bool | None:
+        """``work.wait()`` within ``deadline``, in slices of one heartbeat: after each slice
+        the peers' heartbeats are read, and a peer that stopped beating (none for
+        ``liveness.dead_after`` seconds, as seen from here and by its last beat's time) or
+        left after a failure of its own ends the wait at once (RuntimeError); one that never
+        beat is left to the connection and the timeout. Without it, a worker whose collective waits
+        on a live peer that is itself stuck behind a dead one would sit there for the whole
+        timeout (300 s on gloo) before the survivors could regroup. A gloo operation goes on
+        after a wait that timed out; the first slices cost nothing to a collective that
+        completes within them."""
+        live, hb = self.liveness, self._heartbeat
+        assert hb is not None
+        seen: dict[int, tuple[object, float]] = {}  # peer -> (its last beat, when it changed)
+        while True:
+            now = time.perf_counter()
+            if deadline - now <= live.heartbeat:
+                return work.wait(timeout=timedelta(seconds=max(deadline - now, 1e-3)))
+            try:
+                return work.wait(timeout=timedelta(seconds=live.heartbeat))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            now = time.perf_counter()
+            if not hb.store_alive():
+                raise RuntimeError("the heartbeat store's host closed the connection while "
+                                   "this rank waited")
+            try:
+                for p in peers:
+                    global_rank = self._global_ranks[p]
+                    if hb.left(global_rank) is not None:
+                        raise RuntimeError(f"rank {p} left after a failure of its own while "
+                                           "this rank waited")
+                    beat = hb.read(global_rank)
+                    if beat is None:
+                        continue  # not beating yet: starting, or dead before its first beat
+                    if p not in seen or seen[p][0] != beat[0]:
+                        seen[p] = (beat[0], now)
+                    elif now - seen[p][1] >= live.dead_after \
+                            and time.time() - beat[2] >= live.dead_after:
+                        raise RuntimeError(
+                            f"rank {p} sent no heartbeat for {now - seen[p][1]:.1f} s while "
+                            "this rank waited")
+            except RuntimeError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a store that fails ends the wait
+                raise RuntimeError(f"the heartbeat store failed while this rank waited: "
+                                   f"{_first_line(exc)}") from exc
 
     def _failure(self, label: str, peers: list[int], exc: BaseException | None,
                  deadline: float, collective: bool = True, seq: int | None = None
