@@ -67,6 +67,7 @@ from torch import nn
 import gossamer
 from gossamer.algorithms import (
     ADPSGD,
+    DESLOC,
     DGC,
     DPSGD,
     OSGP,
@@ -162,6 +163,12 @@ CASES = [
     # chunked top-k and the 2-bit values did not send, in parameter units
     Case("sparseloco-no-decay", SparseLoCo(period=4, error_decay=1.0, outer_lr=1.0),
          UNSENT_OUTER),
+    # DES-LOC's parameter averages, its moments kept local over the run: averaging moments
+    # of different constant gradients does not commute with AdamW's update (the mean then
+    # differs from the single-worker runs' by design); tests/test_desloc.py checks that each
+    # average conserves the replicas' sums of the parameters and of both moments
+    Case("desloc-moments-local", DESLOC(period=4, momentum_period=10**6,
+                                        variance_period=10**6), ADAMW, optimizer="adamw"),
     Case("demo", DeMo(), SIGNUM),
     Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]

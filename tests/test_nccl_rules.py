@@ -28,6 +28,7 @@ from torch import nn
 import gossamer
 from gossamer.algorithms import (
     ADPSGD,
+    DESLOC,
     QSR,
     SPARTA,
     WAGMA,
@@ -69,6 +70,7 @@ FAMILIES = {
         ("sparta", SPARTA(fraction=0.05)),
         ("demo", DeMo()),
         ("sparseloco", SparseLoCo(period=2)),
+        ("desloc", DESLOC(period=2, momentum_period=3)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [

@@ -15,6 +15,7 @@ Every method, compressor and communicator is importable from here. Example::
 from gossamer import loggers, metrics
 from gossamer.algorithms import (
     ADPSGD,
+    DESLOC,
     DGC,
     DPSGD,
     OSGP,
@@ -51,6 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ADPSGD",
+    "DESLOC",
     "DGC",
     "DeMo",
     "DiLoCo",

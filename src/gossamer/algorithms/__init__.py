@@ -14,6 +14,7 @@ from gossamer.algorithms.compressed import (
     TopKAllReduce,
 )
 from gossamer.algorithms.demo import DeMo
+from gossamer.algorithms.desloc import DESLOC
 from gossamer.algorithms.diloco import DiLoCo
 from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
@@ -34,12 +35,13 @@ from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, *PRESETS,
-             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo):
+             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo, DESLOC):
     register(_cls)
 
 __all__ = [
     "ADPSGD",
     "CompressionPreset",
+    "DESLOC",
     "DGC",
     "DiLoCo",
     "StreamingDiLoCo",

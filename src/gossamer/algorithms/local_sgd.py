@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -201,17 +201,27 @@ class LocalSGDRuntime(Runtime):
         self.periods.append((step, period))
 
     def _average(self) -> None:
+        """The round's exact average: the parameters, and what the options add."""
+        tensors = self._parameter_tensors()
+        if self.config.average_optimizer_state:
+            tensors += optimizer_state_tensors(self.optimizer)
+        self._exact_average(tensors)
+        self.last_averaged = self.step
+
+    def _parameter_tensors(self) -> list[torch.Tensor]:
+        """The parameters, and the floating-point buffers under ``average_buffers``."""
         tensors = [p.data for p in self.model.parameters()]
         if self.config.average_buffers:
             tensors += [b for b in self.model.buffers() if torch.is_floating_point(b)]
-        if self.config.average_optimizer_state:
-            tensors += optimizer_state_tensors(self.optimizer)
+        return tensors
+
+    def _exact_average(self, tensors: list[torch.Tensor]) -> None:
+        """Replace ``tensors`` by their mean over the workers: one synchronisation."""
         # checked before they are sent: only here, since local steps send nothing
         if not all_finite(tensors):
             raise self.nonfinite_error("parameters")
         average_tensors(self.comm, tensors)
         self.synchronizations += 1
-        self.last_averaged = self.step
 
     @torch.no_grad()
     def prepare_eval(self) -> None:
@@ -298,14 +308,17 @@ def optimizer_state_refusal(config: RoundsConfig) -> str | None:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer,
-                            params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                            params: Sequence[torch.Tensor] | None = None,
+                            keys: Collection[str] | None = None) -> list[torch.Tensor]:
     """The floating-point tensors of the optimizer's per-parameter state (momentum buffers,
-    Adam's moments) of ``params`` (default: all of its parameters), in their order; step
-    counters and other scalars are left out."""
+    Adam's moments) of ``params`` (default: all of its parameters), in their order, each
+    parameter's in the order of its state; step counters and other scalars are left out.
+    ``keys``: only the states of these names (``"exp_avg"``, ...; default: all)."""
     if params is None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-    return [value for p in params for value in optimizer.state.get(p, {}).values()
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0]
+    return [value for p in params for key, value in optimizer.state.get(p, {}).items()
+            if (keys is None or key in keys) and isinstance(value, torch.Tensor)
+            and value.is_floating_point() and value.dim() > 0]
 
 
 def batchnorm_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
