@@ -81,6 +81,7 @@ from gossamer.algorithms import (
     FP16AllReduce,
     GossipGraD,
     LocalSGD,
+    MuLoCo,
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
@@ -162,6 +163,10 @@ CASES = [
     # chunked top-k and the 2-bit values did not send, in parameter units
     Case("sparseloco-no-decay", SparseLoCo(period=4, error_decay=1.0, outer_lr=1.0),
          UNSENT_OUTER),
+    # MuLoCo without decay and with a plain outer SGD of lr 1: its error feedback keeps what
+    # the 2-bit values did not send
+    Case("muloco-no-decay", MuLoCo(period=4, error_decay=1.0, outer_lr=1.0,
+                                   outer_momentum=0.0, outer_nesterov=False), UNSENT_OUTER),
     Case("demo", DeMo(), SIGNUM),
     Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]

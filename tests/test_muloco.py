@@ -208,6 +208,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
         MuonWithAdamW([model[2].weight], [], lr=1e-3)
 
 
+@pytest.mark.slow
 def test_muon_is_the_inner_optimizer_of_every_local_method():
     """localsgd, qsr, diloco, streaming-diloco, sparta, sparseloco take it like any torch
     optimizer: finite runs whose parameters moved."""
@@ -222,6 +223,7 @@ def test_muon_is_the_inner_optimizer_of_every_local_method():
             assert not torch.equal(trajectory[-1], start), name
 
 
+@pytest.mark.slow
 def test_muon_on_the_command_line_and_its_checkpoint_resume_bit_equal(monkeypatch, tmp_path):
     """``--optimizer muon``: a run stopped at step 3 and resumed from its checkpoint (Muon's
     momentum and AdamW's moments included) ends where the straight run ends."""
@@ -239,6 +241,7 @@ def test_muon_on_the_command_line_and_its_checkpoint_resume_bit_equal(monkeypatc
                 assert torch.equal(value, b["optimizer"]["state"][i][key]), (rank, i, key)
 
 
+@pytest.mark.slow
 def test_the_survivors_go_on_after_a_crash():
     result = run_training(TrainConfig(algorithm="muloco", optimizer="muon", lr=0.01, sim=4,
                                       quiet=True, timeout=3, steps=6, faults=("1:3:crash",),

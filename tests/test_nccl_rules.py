@@ -35,6 +35,7 @@ from gossamer.algorithms import (
     DeMo,
     DiLoCo,
     LocalSGD,
+    MuLoCo,
     SparseLoCo,
     StreamingDiLoCo,
     available,
@@ -69,6 +70,7 @@ FAMILIES = {
         ("sparta", SPARTA(fraction=0.05)),
         ("demo", DeMo()),
         ("sparseloco", SparseLoCo(period=2)),
+        ("muloco", MuLoCo(period=2)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [

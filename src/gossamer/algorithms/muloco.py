@@ -161,5 +161,5 @@ class MuLoCo(Algorithm):
         if not isinstance(optimizer, (MuonWithAdamW, torch.optim.Muon)):
             warnings.warn(f"muloco: the inner optimizer is {type(optimizer).__name__}, not "
                           "Muon (gossamer.muon(model, lr=...), --optimizer muon): this runs "
-                          "DiLoCo with quantised pseudo-gradients", stacklevel=2)
+                          "DiLoCo with quantised pseudo-gradients", stacklevel=3)
         return DiLoCoRuntime(self, comm, model, optimizer)  # type: ignore[arg-type]
