@@ -26,6 +26,7 @@ from gossamer.algorithms import create
 from gossamer.algorithms.diloco import DiLoCo
 from gossamer.algorithms.muloco import MuLoCo
 from gossamer.comm import SimWorld
+from gossamer.compress import ErrorFeedback
 from gossamer.optim import MuonWithAdamW, muon, muon_parameters
 from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig
@@ -178,6 +179,8 @@ def test_options_are_checked_naming_them():
         with pytest.raises(ValueError, match=name):
             MuLoCo(**kwargs)
     assert create("muloco", {"bits": "4", "error_decay": "1"}) == MuLoCo(bits=4, error_decay=1)
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(decay=1.5)
     with pytest.raises(ValueError, match="compressor"):  # its compression is its own
         gossamer.with_compression(MuLoCo(), "topk")
 
@@ -206,6 +209,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert [g["muon"] for g in optimizer.param_groups] == [True, False]
     with pytest.raises(ValueError, match="muon_params"):
         MuonWithAdamW([model[2].weight], [], lr=1e-3)
+    with pytest.raises(ValueError, match="param_group"):  # both groups are fixed
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
 @pytest.mark.slow

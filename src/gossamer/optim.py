@@ -94,6 +94,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._inners = inners
         self._link()
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_inners", None) is not None:  # after construction
+            raise ValueError("param_group: MuonWithAdamW's two groups are fixed when it is "
+                             "built; make a new one over every parameter instead")
+        super().add_param_group(param_group)
+
     def _link(self) -> None:
         """Each inner optimizer's group and state are this optimizer's own objects."""
         for inner, group in zip(self._inners, self.param_groups, strict=True):
