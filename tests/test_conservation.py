@@ -82,6 +82,7 @@ from gossamer.algorithms import (
     FP16AllReduce,
     GossipGraD,
     LocalSGD,
+    MuLoCo,
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
@@ -169,6 +170,10 @@ CASES = [
     # average conserves the replicas' sums of the parameters and of both moments
     Case("desloc-moments-local", DESLOC(period=4, momentum_period=10**6,
                                         variance_period=10**6), ADAMW, optimizer="adamw"),
+    # MuLoCo without decay and with a plain outer SGD of lr 1: its error feedback keeps what
+    # the 2-bit values did not send
+    Case("muloco-no-decay", MuLoCo(period=4, error_decay=1.0, outer_lr=1.0,
+                                   outer_momentum=0.0, outer_nesterov=False), UNSENT_OUTER),
     Case("demo", DeMo(), SIGNUM),
     Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]

@@ -36,6 +36,7 @@ from gossamer.algorithms import (
     DeMo,
     DiLoCo,
     LocalSGD,
+    MuLoCo,
     SparseLoCo,
     StreamingDiLoCo,
     available,
@@ -71,6 +72,7 @@ FAMILIES = {
         ("demo", DeMo()),
         ("sparseloco", SparseLoCo(period=2)),
         ("desloc", DESLOC(period=2, momentum_period=3)),
+        ("muloco", MuLoCo(period=2)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from loco_helpers import regression_batch, rounds_run
+from oracles.statistical import quantise
 from resume_helpers import state_dict_round_trip
 from torch import nn
 
@@ -31,8 +33,7 @@ ATOL = 1e-5
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, IN, generator=g), torch.randn(6, OUT, generator=g)
+    return regression_batch(rank, step, IN, OUT)
 
 
 def _initial() -> nn.Linear:
@@ -57,20 +58,6 @@ def _oracle_chunks(x: torch.Tensor, side: int) -> list[torch.Tensor]:
     return chunks
 
 
-def _oracle_quantise(v: torch.Tensor, bits: int, sigmas: float) -> torch.Tensor:
-    """The statistical quantiser: bins of ``sigmas * std / 2^bits`` around the mean, each
-    decoded to the mean of its centred values, plus the mean."""
-    bins = 2 ** bits
-    shift = v.mean()
-    c = v - shift
-    scale = float(sigmas * c.std() / bins) if v.numel() > 1 else 0.0
-    if not scale > 0:
-        scale = 1.0
-    codes = [min(max(int(torch.round(x / scale + bins // 2)), 0), bins - 1) for x in c]
-    table = {b: c[[i for i, q in enumerate(codes) if q == b]].mean() for b in set(codes)}
-    return torch.stack([table[q] for q in codes]) + shift
-
-
 def _oracle_compress(a: torch.Tensor, side: int, k: int, bits: int, sigmas: float
                      ) -> torch.Tensor:
     """Q(TopK(a)): the k largest magnitudes of each chunk, quantised over the tensor."""
@@ -83,7 +70,7 @@ def _oracle_compress(a: torch.Tensor, side: int, k: int, bits: int, sigmas: floa
     chosen_t = torch.tensor(chosen)
     values = flat[chosen_t]
     if bits != 32:
-        values = _oracle_quantise(values, bits, sigmas)
+        values = quantise(values, bits, sigmas)
     out = torch.zeros_like(flat)
     out[chosen_t] = values
     return out.view_as(a)
@@ -126,20 +113,8 @@ def _oracle(beta: float, alpha: float, side: int, k: int, bits: int, sigmas: flo
 
 def _worker(comm, algorithm):
     model = _initial()
-    opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=LR), algorithm,
-                              comm, total_steps=STEPS)
-    trajectory, syncs = [], []
-    for step in range(STEPS):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        before = opt.runtime.synchronizations
-        opt.step()
-        if opt.runtime.synchronizations > before:
-            syncs.append(step)
-        trajectory.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    opt.finish()
-    return trajectory, syncs, comm.stats.total_bytes_sent
+    return rounds_run(comm, model, torch.optim.SGD(model.parameters(), lr=LR), algorithm,
+                      _batch, STEPS)
 
 
 def _library(algorithm):

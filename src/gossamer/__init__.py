@@ -30,6 +30,7 @@ from gossamer.algorithms import (
     FP16AllReduce,
     GossipGraD,
     LocalSGD,
+    MuLoCo,
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
@@ -46,6 +47,7 @@ from gossamer.comm import ComputeModel, NetworkModel, SimWorld, TorchCommunicato
 from gossamer.compress import available_compressors, parse_compression
 from gossamer.loggers import Logger
 from gossamer.metrics import consensus_distance, snapshot
+from gossamer.optim import MuonWithAdamW, muon
 from gossamer.sharding import ShardLayout
 
 __version__ = "0.1.0"
@@ -70,6 +72,8 @@ __all__ = [
     "Logger",
     "GossipGraD",
     "LocalSGD",
+    "MuLoCo",
+    "MuonWithAdamW",
     "NetworkModel",
     "PowerSGDAllReduce",
     "QSGDAllReduce",
@@ -88,6 +92,7 @@ __all__ = [
     "distribute",
     "loggers",
     "metrics",
+    "muon",
     "parse_compression",
     "push_sum_average",
     "snapshot",

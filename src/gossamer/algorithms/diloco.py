@@ -152,11 +152,7 @@ class DiLoCo(Algorithm):
     bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a replica")
 
     def __post_init__(self) -> None:
-        QuadraticRule(self.period, self.alpha, self.power)  # its checks, also with alpha 0
-        self.schedule  # noqa: B018 - its checks name the options
-        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
-        check_choice("warmup", self.warmup, QSR_WARMUPS)
-        self.outer_step  # noqa: B018
+        check_rounds(self)
         if self.compression is not None:
             compression = compression_argument(self.compression)
             if isinstance(compression, DGCCompression):
@@ -164,7 +160,6 @@ class DiLoCo(Algorithm):
                                  "momentum; use topk, randomk, qsgd, powersgd or fp16 for "
                                  "pseudo-gradients")
             object.__setattr__(self, "compression", compression)
-        check_replicas(self.replica_size, self.bucket_mb)
 
     @property
     def schedule(self) -> RoundSchedule:
@@ -191,6 +186,17 @@ class DiLoCo(Algorithm):
              optimizer: torch.optim.Optimizer) -> DiLoCoRuntime:
         self.validate(comm.world_size)
         return DiLoCoRuntime(self, comm, model, optimizer)
+
+
+def check_rounds(config: Any) -> None:
+    """The checks of the options of DiLoCo's rounds, outer step and replicas, for the methods
+    that take them (DiLoCo, SparseLoCo, MuLoCo): each ValueError names the option."""
+    QuadraticRule(config.period, config.alpha, config.power)  # its checks, also with alpha 0
+    config.schedule  # noqa: B018 - its checks name the options
+    check_int("reestimate_batchnorm", config.reestimate_batchnorm, 0)
+    check_choice("warmup", config.warmup, QSR_WARMUPS)
+    config.outer_step  # noqa: B018
+    check_replicas(config.replica_size, config.bucket_mb)
 
 
 class DiLoCoRuntime(LocalSGDRuntime):

@@ -27,7 +27,8 @@ so the outer step here is SGD of learning rate alpha without momentum.
   unbiased; 1 where that is 0 or not finite), the code ``clamp(round(c / scale + B / 2), 0,
   B - 1)``; each bin decodes to the mean of the centred values it holds (a table of B
   float32), plus the shift. A tensor's payload: its positions, then ``shift`` and the table
-  (float32), then the codes packed ``8 / bits`` to a byte.
+  (float32), then the codes packed ``8 / bits`` to a byte
+  (:class:`~gossamer.compress.statistical.StatisticalQuantiser`, which MuLoCo shares).
 - **Aggregation**: each worker's payloads, one uint8 tensor for the whole model, are
   all-gathered; every worker decodes every one and averages them, summing in rank order, as
   the simulator's all-reduce does. The library's sparse all-reduce is not used: its owners
@@ -49,7 +50,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -60,76 +60,21 @@ from torch import nn
 
 from gossamer.algorithms.base import Algorithm
 from gossamer.algorithms.demo import chunk_side, matrix_shape
-from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime
-from gossamer.algorithms.outer import OuterStep, check_replicas, check_replicas_divide
-from gossamer.algorithms.rounds import QSR_WARMUPS, QuadraticRule, RoundSchedule
-from gossamer.checks import check_choice, check_int
+from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime, check_rounds
+from gossamer.algorithms.outer import OuterStep, check_replicas_divide
+from gossamer.algorithms.rounds import RoundSchedule
+from gossamer.checks import check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.mirror import Copies
 from gossamer.comm.p2p_group import divide_
+from gossamer.compress.memory import check_decay
+from gossamer.compress.statistical import StatisticalQuantiser, check_range
 from gossamer.options import option, option_of
 
 __all__ = ["BITS", "ChunkedTopK", "SparseLoCo", "SparseLoCoRuntime", "StatisticalQuantiser"]
 
 #: the values' widths ``bits`` takes; 32: unquantised
 BITS = (2, 4, 8, 32)
-
-
-class StatisticalQuantiser:
-    """The authors' quantiser of a vector of kept values into ``bits`` bits (2, 4 or 8): a
-    shift (the mean), ``B = 2^bits`` bins of width ``range_in_sigmas * std / B`` around it,
-    and each bin decoded to the mean of the centred values in it."""
-
-    def __init__(self, bits: int, range_in_sigmas: float) -> None:
-        self.bits = bits
-        self.bins = 2 ** bits
-        self.range_in_sigmas = range_in_sigmas
-
-    def header_bytes(self) -> int:
-        """The shift and the table: ``1 + B`` float32."""
-        return 4 * (1 + self.bins)
-
-    def code_bytes(self, count: int) -> int:
-        return -(-count * self.bits // 8)
-
-    def encode(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the header, float32 ``[shift, table...]``; the codes, int64) of the 1-D
-        ``values``."""
-        v = values.detach().to(torch.float32)
-        shift = v.mean() if v.numel() else v.new_zeros(())
-        centred = v - shift
-        std = centred.norm() / math.sqrt(v.numel() - 1) if v.numel() > 1 else \
-            v.new_zeros(())
-        scale = self.range_in_sigmas * std / self.bins
-        scale = torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
-        codes = torch.round(centred / scale + self.bins // 2).clamp_(0, self.bins - 1).long()
-        sums = torch.zeros(self.bins, dtype=torch.float32, device=v.device).index_add_(
-            0, codes, centred)
-        # (counted by index_add_, exact below 2^24 values: bincount has no meta kernel for
-        # the timing-only simulator)
-        counts = torch.zeros_like(sums).index_add_(0, codes, torch.ones_like(centred))
-        table = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
-        return torch.cat([shift.view(1), table]), codes
-
-    def decode(self, header: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-        """The float32 values of ``codes`` under ``header`` (or of each row of ``codes`` under
-        the same row of ``header``)."""
-        if header.dim() == 1:
-            return header[1:].index_select(0, codes) + header[0]
-        return torch.gather(header[:, 1:], 1, codes) + header[:, :1]  # one row per payload
-
-    def pack(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes`` (each below B) packed ``8 / bits`` to a uint8, the first in the low bits."""
-        per = 8 // self.bits
-        padded = torch.cat([codes, codes.new_zeros(-codes.numel() % per)]).view(-1, per)
-        shifts = torch.arange(per, device=codes.device) * self.bits
-        return (padded << shifts).sum(dim=1).to(torch.uint8)
-
-    def unpack(self, data: torch.Tensor, count: int) -> torch.Tensor:
-        per = 8 // self.bits
-        shifts = torch.arange(per, device=data.device) * self.bits
-        codes = (data.long().unsqueeze(-1) >> shifts) & (self.bins - 1)
-        return codes.flatten(-2)[..., :count]  # of each row of ``data``
 
 
 def field(payloads: torch.Tensor, offset: int, width: int, dtype: torch.dtype
@@ -221,25 +166,14 @@ class SparseLoCo(Algorithm):
                                     "kept values")
 
     def __post_init__(self) -> None:
-        QuadraticRule(self.period, self.alpha, self.power)  # its checks, also with alpha 0
-        self.schedule  # noqa: B018 - its checks name the options
-        check_int("reestimate_batchnorm", self.reestimate_batchnorm, 0)
-        check_choice("warmup", self.warmup, QSR_WARMUPS)
-        self.outer_step  # noqa: B018
-        check_replicas(self.replica_size, self.bucket_mb)
-        decay = self.error_decay
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) \
-                or not 0 <= decay <= 1:
-            raise ValueError(f"error_decay: must be a number in [0, 1], got {decay!r}")
+        check_rounds(self)
+        check_decay("error_decay", self.error_decay)
         check_int("topk", self.topk, 1)
         check_int("chunk", self.chunk, 1)
         if self.bits not in BITS:
             raise ValueError(f"bits: must be one of {', '.join(map(str, BITS))}, "
                              f"got {self.bits!r}")
-        spread = self.range_in_sigmas
-        if isinstance(spread, bool) or not isinstance(spread, (int, float)) \
-                or not math.isfinite(spread) or spread <= 0:
-            raise ValueError(f"range_in_sigmas: must be a number > 0, got {spread!r}")
+        check_range(self.range_in_sigmas)
 
     @property
     def schedule(self) -> RoundSchedule:

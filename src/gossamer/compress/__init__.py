@@ -2,7 +2,8 @@
 not sent.
 
 - Compressors (:class:`Compressor`): :class:`NoCompression`, :class:`FP16`, :class:`BF16`,
-  :class:`TopK`, :class:`RandomK`, :class:`DGCCompressor`, :class:`QSGD`, :class:`PowerSGD`.
+  :class:`TopK`, :class:`RandomK`, :class:`DGCCompressor`, :class:`QSGD`, :class:`PowerSGD`,
+  :class:`Statistical` (MuLoCo's and SparseLoCo's quantiser; not a ``--compressor`` name).
   Each declares how its payloads aggregate (``aggregations``): a sparse payload cannot be
   all-reduced, and asking for it is a ValueError when the combination is built.
 - Payloads (:mod:`gossamer.compress.payloads`) know their bytes on the wire.
@@ -50,6 +51,7 @@ from gossamer.compress.registry import (
     parse_compression,
 )
 from gossamer.compress.sparse import RandomK, TopK
+from gossamer.compress.statistical import Statistical
 
 __all__ = [
     "AGGREGATIONS",
@@ -73,6 +75,7 @@ __all__ = [
     "RandomK",
     "SharedIndexPayload",
     "SparsePayload",
+    "Statistical",
     "TopK",
     "available_compressors",
     "lookup_compression",

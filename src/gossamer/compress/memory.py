@@ -11,6 +11,11 @@ and other Gradient Compression Schemes" (2019). With ``e`` the residual of a ten
 so that ``compensated == sent + e`` holds after every step, up to one rounding of ``e`` (kept in
 float32, or float64 for a float64 model).
 
+With a ``decay`` beta below 1, ``compensated = grad + beta e``: what was not sent fades by beta
+a step, as in the accumulators of SparseLoCo and MuLoCo (Sarfi et al. 2025, Algorithm 1;
+Therien et al. 2025, the authors' ``error_decay``), where it also takes the place of the outer
+momentum's memory of past rounds.
+
 **Units.** The residual is in gradient units: it is added to the gradient before the learning
 rate, and the optimizer applies ``lr`` to the average later, as in Vogels et al., "PowerSGD"
 (NeurIPS 2019), Algorithm 2, in their code (epfml/powersgd) and in torch's ``powerSGD_hook``.
@@ -44,13 +49,25 @@ from gossamer.compress.base import Compressor, Memory, value_dtype
 from gossamer.compress.payloads import Payload, SharedIndexPayload, SparsePayload
 
 
+def check_decay(name: str, value: object) -> None:
+    """An error-feedback decay ``name``: a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name}: must be a number in [0, 1], got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ErrorFeedback(Memory):
     """Keep the residual ``compensated - sent`` of each tensor and add it to the next gradient.
 
     The residual buffer doubles as the compensated gradient (no allocation after the first
     step), so the tensor :meth:`compensate` returns belongs to the memory until :meth:`update`.
+
+    Args:
+        decay: beta, the residual's factor before the next gradient is added (default 1:
+            nothing fades); in [0, 1]. Lower: older residuals count less.
     """
+
+    decay: float = 1.0
 
     # internal state: the residual of each tensor, by name
     _residuals: dict[str, torch.Tensor] = dataclasses.field(
@@ -62,6 +79,8 @@ class ErrorFeedback(Memory):
             residual = grad.detach().to(value_dtype(grad.dtype), copy=True)
             self._residuals[key] = residual
             return residual
+        if self.decay != 1:
+            residual.mul_(self.decay)
         return residual.add_(grad.detach())
 
     def update(self, key: str, compensated: torch.Tensor, payload: Payload,
@@ -75,6 +94,9 @@ class ErrorFeedback(Memory):
                                          payload.values.to(residual.dtype), alpha=-1)
         else:
             residual.sub_(compressor.decompress(payload, key).view_as(residual))
+
+    def __post_init__(self) -> None:
+        check_decay("decay", self.decay)
 
     def residual(self, key: str) -> torch.Tensor | None:
         """The residual of tensor ``key`` (None before its first step)."""

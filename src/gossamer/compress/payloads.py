@@ -149,7 +149,8 @@ class SharedIndexPayload(_ValuesPayload):
 @dataclass(frozen=True)
 class QuantizedPayload(Payload):
     """QSGD: one norm per bucket of elements (float32, float64 for a float64 tensor) and a
-    packed signed level per element."""
+    packed signed level per element; the statistical quantiser: its shift and bin table in
+    ``norms`` and a packed bin per element."""
 
     norms: torch.Tensor  # one per bucket
     codes: torch.Tensor  # uint8, levels + s packed at ``bits`` bits each

@@ -33,7 +33,7 @@ from gossamer.comm.rate import parse_rate
 from gossamer.options import option, option_help, read_renamed
 from gossamer.patterns.nonfinite import POLICIES as NONFINITE_POLICIES
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "muon")
 SCHEDULES = ("constant", "step", "cosine")
 PARTITIONS = ("iid", "dirichlet")
 CHECKPOINT_FORMATS = ("gossamer", "dcp")
@@ -76,11 +76,13 @@ class TrainConfig:
     batch_size: int = option(32, "per worker and micro-batch; the global batch is world_size x "
                              "this")
     accumulation: int = option(1, "micro-batches per optimizer step (gradient accumulation)")
-    optimizer: str = option("sgd", "sgd or adamw")
+    optimizer: str = option("sgd", "sgd, adamw, or muon: Muon for the hidden matrices and AdamW "
+                            "for the rest (embeddings, output head, biases, norms), both at "
+                            "--lr (Muon's scaled per matrix to AdamW's update size)")
     lr: float = option(0.05, "peak learning rate")
     momentum: float = option(0.9, "sgd only")
     nesterov: bool = option(False, "sgd only")
-    weight_decay: float = option(0.0, "decoupled for adamw, L2 for sgd")
+    weight_decay: float = option(0.0, "decoupled for adamw and muon, L2 for sgd")
     schedule: str = option("constant", "constant, step (x gamma at each milestone), cosine (to "
                            "min_lr)")
     warmup_steps: int = option(0, "linear warm-up from lr / warmup_steps, before the schedule")

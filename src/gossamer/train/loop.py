@@ -28,6 +28,7 @@ from gossamer.comm.base import CommError, Communicator, DeviceBound, VirtualCloc
 from gossamer.comm.faults import FaultInjector
 from gossamer.comm.membership import REJOIN_EVERY, Membership
 from gossamer.metrics import consensus_distance
+from gossamer.optim import muon
 from gossamer.train import checkpoint as ckpt
 from gossamer.train import dcp
 from gossamer.train.accounting import Accounting
@@ -63,6 +64,8 @@ def _to_safe(obj: Any) -> Any:
 
 
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if config.optimizer == "muon":
+        return muon(model, lr=config.lr, weight_decay=config.weight_decay)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=config.lr,
                                  weight_decay=config.weight_decay)
