@@ -18,6 +18,7 @@ from gossamer.algorithms.diloco import DiLoCo
 from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
+from gossamer.algorithms.noloco import NoLoCo
 from gossamer.algorithms.pushsum import push_sum_average, push_sum_round
 from gossamer.algorithms.registry import (
     available,
@@ -34,7 +35,7 @@ from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, *PRESETS,
-             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo):
+             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo, NoLoCo):
     register(_cls)
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "DPSGD",
     "QSR",
     "LocalSGD",
+    "NoLoCo",
     "OSGP",
     "SGP",
     "SPARTA",

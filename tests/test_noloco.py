@@ -1,0 +1,346 @@
+"""NoLoCo: against the paper's equations and the authors' outer step, its invariants, on gloo.
+
+The oracle (:mod:`oracles.noloco`) is the paper's update (arXiv 2506.10911, Section 3) written
+as one sequential program over the workers, with the authors' seeded pairing drawn by itself;
+the library's run in SimWorld must hold the oracle's parameters on every worker after every
+step. The model is a float64 least-squares problem, so what differs is only the order of
+float64 operations (torch's SGD keeps ``-Delta / beta`` where the paper keeps ``Delta``):
+``ATOL`` = 1e-12, where one outer step moves a parameter by about 1e-2.
+
+The authors' code (jkolehm/noloco at 37d1a8a11adf5070ec544d63d0d0e6d97e6c5b08,
+``src/noloco/sparse_optimizer_c.py``, ``outer_step``) is transcribed in
+:func:`oracles.noloco.authors_outer_step`; the library matches it too, with its defaults
+(``consensus`` 1: the code's ``gamma = beta``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracles.least_squares import LeastSquares
+from oracles.noloco import authors_outer_step, noloco, pairing, paper_outer_step
+from resume_helpers import state_dict_round_trip
+from torch import nn
+
+import gossamer
+from gossamer.algorithms import create
+from gossamer.algorithms.noloco import NoLoCo
+from gossamer.comm import SimWorld
+from gossamer.topology import RandomPairs
+from gossamer.train.config import TrainConfig
+from gossamer.train.run import run_training
+
+PROBLEM = LeastSquares(5, 3, rows=6)
+STEPS, LR = 12, 0.05
+ATOL = 1e-12
+
+
+def _worker(comm, algorithm, steps=STEPS):
+    model = PROBLEM.model()
+    opt = gossamer.distribute(
+        model, torch.optim.SGD(model.parameters(), lr=LR), algorithm, comm, total_steps=steps
+    )
+    comm.stats.reset()  # the outer steps' bytes, not the initial broadcast's
+    trajectory, syncs = [], []
+    for step in range(steps):
+        a, y = PROBLEM.data(comm.rank, step)
+        opt.zero_grad()
+        (0.5 * (model(a) - y).pow(2).sum(1).mean()).backward()
+        before = opt.runtime.synchronizations
+        opt.step()
+        if opt.runtime.synchronizations > before:
+            syncs.append(step)
+        trajectory.append([p.detach().clone() for p in model.parameters()])
+    opt.finish()
+    return trajectory, syncs, comm.stats.total_bytes_sent, dict(comm.stats.operations)
+
+
+def _assert_matches(results, expected, period):
+    for rank, (trajectory, syncs, _, _) in enumerate(results):
+        assert syncs == [period - 1 + period * j for j in range(STEPS // period)]
+        for step, got in enumerate(trajectory):
+            for g, e in zip(got, expected[step][rank], strict=True):
+                err = float((g - e).abs().max())
+                assert err <= ATOL, f"step {step}, worker {rank}: off by {err:g}"
+
+
+ORACLE_CASES = {
+    "4 workers, the authors' defaults": dict(n=4, period=3, alpha=0.5, beta=0.7, consensus=1.0),
+    "5 workers: a group of three": dict(n=5, period=2, alpha=0.5, beta=0.7, consensus=1.0),
+    "gamma = beta / 2, momentum 0.9": dict(n=6, period=3, alpha=0.9, beta=0.5, consensus=0.5),
+    "no pull, no momentum": dict(n=4, period=4, alpha=0.0, beta=1.0, consensus=0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ORACLE_CASES))
+def test_noloco_matches_the_papers_equations_step_by_step(case):
+    c = ORACLE_CASES[case]
+    algorithm = NoLoCo(
+        period=c["period"], outer_lr=c["beta"], outer_momentum=c["alpha"], consensus=c["consensus"]
+    )
+    results = SimWorld(c["n"]).run(_worker, algorithm)
+    expected = noloco(
+        c["n"],
+        STEPS,
+        c["period"],
+        LR,
+        c["alpha"],
+        c["beta"],
+        c["consensus"] * c["beta"],
+        PROBLEM.x0(),
+        PROBLEM.grad,
+    )
+    _assert_matches(results, expected, c["period"])
+    # each outer step: the slow weights and the pseudo-gradient to each other member of the
+    # worker's group (one peer; two in a group of three), float64
+    numel = sum(t.numel() for t in PROBLEM.x0())
+    for rank, (_, syncs, sent, _) in enumerate(results):
+        peers = sum(len(next(g for g in pairing(c["n"], s + 1) if rank in g)) - 1 for s in syncs)
+        assert sent == peers * 2 * numel * 8
+        if c["n"] % 2 == 0:
+            assert peers == len(syncs)
+
+
+def test_noloco_matches_the_authors_outer_step():
+    """The defaults against ``outer_step`` of the authors' ``sparse_optimizer_c.py``."""
+    algorithm = NoLoCo(period=3)
+    assert (algorithm.outer_lr, algorithm.outer_momentum, algorithm.consensus) == (0.7, 0.5, 1.0)
+    results = SimWorld(4).run(_worker, algorithm)
+    expected = noloco(4, STEPS, 3, LR, 0.5, 0.7, 0.7, PROBLEM.x0(), PROBLEM.grad, authors=True)
+    _assert_matches(results, expected, 3)
+
+
+def test_the_papers_step_is_the_authors_code_with_gamma_equal_to_beta():
+    """The two transcriptions of the oracle, on random states of a pair and of a triple."""
+    g = torch.Generator().manual_seed(0)
+    for group in ([1, 0], [2, 0, 1]):
+
+        def state():
+            return [[torch.randn(7, generator=g, dtype=torch.float64)] for _ in range(3)]
+
+        phi, theta, momentum = state(), state(), state()
+        ours = [[[t.clone() for t in w] for w in x] for x in (phi, theta, momentum)]
+        paper_outer_step(group, *ours, alpha=0.5, beta=0.7, gamma=0.7)
+        authors_outer_step(group, theta, phi, momentum, outer_lr=0.7, outer_momentum=0.5)
+        for i in group:
+            assert torch.allclose(ours[0][i][0], phi[i][0], rtol=0, atol=1e-14)
+            assert torch.allclose(ours[1][i][0], theta[i][0], rtol=0, atol=1e-14)
+            assert torch.allclose(ours[2][i][0], momentum[i][0], rtol=0, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------- invariants
+
+
+def test_the_pairing_is_the_authors_and_two_workers_always_pair():
+    for n in (2, 3, 4, 7, 8, 64):
+        pairs = RandomPairs(n)
+        for step in (1, 2, 50, 100, 12345):
+            groups = pairs.groups(step)
+            assert groups == pairing(n, step)
+            assert sorted(r for g in groups for r in g) == list(range(n))  # a partition
+            assert sorted(map(len, groups)) == [2] * (n // 2 - 1) + [2 + n % 2]
+    assert {tuple(sorted(RandomPairs(2).group(0, s))) for s in range(200)} == {(0, 1)}
+    assert RandomPairs(1).groups(5) == [[0]]
+
+
+def test_the_mean_over_workers_moves_as_dilocos_global_parameters():
+    """Summed over a group, the consensus terms cancel: at every outer step the mean of the
+    workers' slow weights and momenta moves exactly as DiLoCo's (heavy-ball outer SGD) on the
+    mean of every worker's pseudo-gradient, ``Delta = alpha Delta - beta mean(delta)``,
+    ``phi = phi + Delta``; while the pull makes the replicas' slow weights differ less than
+    without it."""
+    alpha, beta = 0.5, 0.7
+
+    def worker(comm, consensus):
+        model = PROBLEM.model()
+        opt = gossamer.distribute(
+            model,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            NoLoCo(period=2, outer_lr=beta, outer_momentum=alpha, consensus=consensus),
+            comm,
+        )
+        runtime, records = opt.runtime, []
+        outer_step = runtime._average
+
+        def recorded():
+            phi = [g.detach().clone() for g in runtime.outer.global_params]
+            delta = [g - p.detach() for g, p in zip(phi, runtime.trained, strict=True)]
+            buffers = [
+                runtime.outer.optimizer.state[g]["momentum_buffer"].clone()
+                for g in runtime.outer.global_params
+            ]
+            outer_step()
+            records.append(
+                (
+                    phi,
+                    delta,
+                    [-beta * b for b in buffers],
+                    [g.detach().clone() for g in runtime.outer.global_params],
+                    [
+                        -beta * runtime.outer.optimizer.state[g]["momentum_buffer"]
+                        for g in runtime.outer.global_params
+                    ],
+                )
+            )
+
+        runtime._average = recorded
+        for step in range(STEPS):
+            a, y = PROBLEM.data(comm.rank, step)
+            opt.zero_grad()
+            (0.5 * (model(a) - y).pow(2).sum(1).mean()).backward()
+            opt.step()
+        return records
+
+    def mean(records, k, field):
+        return [torch.stack([r[k][field][t] for r in records]).mean(0) for t in range(2)]
+
+    n = 6
+    pulled = SimWorld(n).run(worker, 1.0)
+    for k in range(STEPS // 2):
+        phi, delta, m, phi_new, m_new = (mean(pulled, k, f) for f in range(5))
+        for t in range(2):
+            assert torch.allclose(m_new[t], alpha * m[t] - beta * delta[t], rtol=0, atol=ATOL)
+            assert torch.allclose(phi_new[t], phi[t] + m_new[t], rtol=0, atol=ATOL)
+    free = SimWorld(n).run(worker, 0.0)
+
+    def spread(records):  # the slow weights' distance to their mean, after the last step
+        last = [r[-1][3] for r in records]
+        centre = [torch.stack([w[t] for w in last]).mean(0) for t in range(2)]
+        return sum(float((w[t] - centre[t]).pow(2).sum()) for w in last for t in range(2))
+
+    assert spread(pulled) < spread(free)
+
+
+@pytest.mark.slow
+def test_bytes_per_worker_do_not_depend_on_the_number_of_workers():
+    """Two outer steps of a 10-parameter float32 model: each worker sends its slow weights and
+    its pseudo-gradient to one peer, 2 x 2 x 10 x 4 = 160 bytes, from 8 to 256 workers (an
+    all-reduce's bytes per worker would grow towards twice the model, its latency with log n
+    or n)."""
+
+    def worker(comm):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = gossamer.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), NoLoCo(period=1), comm
+        )
+        comm.stats.reset()
+        x = torch.full((2, 4), float(comm.rank))
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        return comm.stats.total_bytes_sent, comm.stats.operations["exchange"]
+
+    for n in (8, 256):
+        assert set(SimWorld(n).run(worker)) == {(160, 2)}, n
+
+
+def test_one_worker_is_dilocos_outer_step_with_heavy_ball_momentum():
+    """Alone, a worker's group is itself: NoLoCo is DiLoCo with outer SGD without Nesterov."""
+    a = SimWorld(1).run(_worker, NoLoCo(period=3))[0]
+    b = SimWorld(1).run(
+        _worker, gossamer.DiLoCo(period=3, outer_lr=0.7, outer_momentum=0.5, outer_nesterov=False)
+    )[0]
+    assert a[1] == b[1] and a[2] == b[2] == 0
+    for x, y in zip(a[0], b[0], strict=True):
+        for s, t in zip(x, y, strict=True):
+            assert torch.allclose(s, t, rtol=0, atol=ATOL)
+
+
+def test_options_are_checked_naming_them():
+    for kwargs, name in [
+        ({"period": 0}, "period"),
+        ({"consensus": -1.0}, "consensus"),
+        ({"outer_lr": -0.1}, "outer_lr"),
+        ({"outer_momentum": -0.5}, "outer_momentum"),
+        ({"replica_size": 0}, "replica_size"),
+        ({"warmup": "x"}, "warmup"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            NoLoCo(**kwargs)
+    with pytest.raises(ValueError, match="outer_nesterov"):  # the paper's form: heavy-ball
+        create("noloco", {"outer_nesterov": "true"})
+    with pytest.raises(ValueError, match="replica_size"):
+        NoLoCo(replica_size=3).validate(4)
+    assert create("noloco", {"period": "20", "consensus": "0.5"}) == NoLoCo(
+        period=20, consensus=0.5
+    )
+
+
+# ------------------------------------------------------------------- composition, resume
+
+
+def test_two_replicas_always_pair_and_are_dilocos_heavy_ball_run():
+    """Two replicas of two workers: each replica's group is always the other, the pull
+    vanishes (their slow weights stay equal), and the run is DiLoCo's with outer SGD without
+    Nesterov between the same replicas."""
+    results = SimWorld(4).run(_worker, NoLoCo(period=3, replica_size=2))
+    diloco = SimWorld(4).run(
+        _worker,
+        gossamer.DiLoCo(
+            period=3, replica_size=2, outer_lr=0.7, outer_momentum=0.5, outer_nesterov=False
+        ),
+    )
+    for (trajectory, syncs, _, _), (other, _, _, _) in zip(results, diloco, strict=True):
+        assert syncs == [2, 5, 8, 11]
+        for x, y in zip(trajectory[-1], results[0][0][-1], strict=True):
+            assert torch.equal(x, y)
+        for got, want in zip(trajectory, other, strict=True):
+            for x, y in zip(got, want, strict=True):
+                assert torch.allclose(x, y, rtol=0, atol=ATOL)
+
+
+def test_a_resumed_run_ends_bit_equal():
+    """Stopped after 8 of 16 steps and resumed from the state dicts on fresh objects: each
+    worker's slow weights and outer momentum travel in its runtime's state."""
+    algorithm = NoLoCo(period=3)
+    straight = SimWorld(4).run(state_dict_round_trip, algorithm, None, 6)
+    resumed = SimWorld(4).run(state_dict_round_trip, algorithm, 8, 6)
+    for a, b in zip(straight, resumed, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(straight[0], straight[1])  # the replicas differ: a real check
+
+
+def test_the_survivors_go_on_after_a_crash():
+    result = run_training(
+        TrainConfig(
+            algorithm="noloco",
+            sim=4,
+            quiet=True,
+            timeout=3,
+            steps=6,
+            faults=("1:3:crash",),
+            on_failure="continue",
+            options={"period": 2},
+        )
+    )
+    assert result["membership"][-1]["members"] == [0, 2, 3] and result["world_size"] == 3
+    assert result["step"] == 6 and math.isfinite(result["eval_loss"])
+
+
+# ------------------------------------------------------------------------- SimWorld = gloo
+
+
+def _gloo_run(comm, algorithm):
+    comm.stats.reset()  # run_in_turn opens each run with a barrier
+    trajectory, syncs, sent, operations = _worker(comm, algorithm)
+    return trajectory[-1], syncs, sent, operations
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_simworld_and_gloo_agree_in_bytes_and_synchronisations():
+    from gossamer.testing import collect, run_in_turn, spawn_gloo
+
+    algorithm = NoLoCo(period=3)
+    runs = [("noloco", (algorithm,))]
+    gloo = collect(spawn_gloo(run_in_turn, 4, args=(_gloo_run, runs), timeout=120), "noloco")
+    sim = SimWorld(4).run(_gloo_run, algorithm)
+    for s, g in zip(sim, gloo, strict=True):
+        assert s[1] == g[1] == [2, 5, 8, 11]
+        assert s[2] == g[2] and s[3] == g[3]
+        for x, y in zip(s[0], g[0], strict=True):
+            assert torch.allclose(x, y, rtol=0, atol=ATOL)
