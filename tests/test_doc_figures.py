@@ -57,7 +57,7 @@ def test_every_registered_method_has_a_style_of_its_own():
     assert len(looks) == len(names)
     families = [("sgp", "osgp", "dpsgd", "adpsgd", "gossipgrad", "wagma"),
                 ("localsgd", "qsr", "diloco", "streaming-diloco", "sparta", "demo",
-                 "sparseloco"),
+                 "sparseloco", "noloco"),
                 ("dgc", "fp16", "powersgd", "qsgd", "topk", "randomk")]
     for family in families:  # a family never shares a colour, nor with AllReduce
         colours = [style.method_style(name).color for name in ("allreduce", *family)]

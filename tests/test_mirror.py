@@ -52,14 +52,16 @@ def test_one_worker_predicts_what_every_worker_does(label, spec):
 
 def test_the_symmetric_methods_are_most_of_them():
     """The declaration matters: the collective and circulant-gossip methods are symmetric,
-    Streaming DiLoCo's all-to-all by offset is; a mailbox of receives posted rounds ahead
+    Streaming DiLoCo's all-to-all by offset is, and NoLoCo's one peer a call (an even number
+    of replicas); a mailbox of receives posted rounds ahead
     (WAGMA) and random partners (AD-PSGD) are not."""
     symmetric = {name for name in available() if create(name, None).resolve(16).symmetric()}
     assert {"allreduce", "dgc", "qsgd", "powersgd", "localsgd", "diloco", "demo", "sparta",
-            "sgp", "osgp", "dpsgd", "gossipgrad", "streaming-diloco"} <= symmetric
+            "sgp", "osgp", "dpsgd", "gossipgrad", "streaming-diloco", "noloco"} <= symmetric
     assert not symmetric & {"adpsgd", "wagma"}
     for label, spec in parse_algorithms("sgp:topology=complete,dgc:aggregation=sparse_allreduce"):
         assert not spec.resolve(8).symmetric(), label
+    assert not create("noloco", None).resolve(15).symmetric()  # a group of three
 
 
 def test_a_cluster_of_unlike_workers_needs_every_worker():

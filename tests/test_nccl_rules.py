@@ -35,6 +35,7 @@ from gossamer.algorithms import (
     DeMo,
     DiLoCo,
     LocalSGD,
+    NoLoCo,
     SparseLoCo,
     StreamingDiLoCo,
     available,
@@ -69,6 +70,8 @@ FAMILIES = {
         ("sparta", SPARTA(fraction=0.05)),
         ("demo", DeMo()),
         ("sparseloco", SparseLoCo(period=2)),
+        ("noloco", NoLoCo(period=2)),
+        ("noloco-replicas-of-2", NoLoCo(period=3, replica_size=2)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [

@@ -250,6 +250,39 @@ def test_one_worker_is_dilocos_outer_step_with_heavy_ball_momentum():
             assert torch.allclose(s, t, rtol=0, atol=ATOL)
 
 
+def test_a_cut_round_ends_with_an_outer_step_and_synchronize_averages_exactly():
+    """A run of unknown length (7 steps, H = 5): finish() takes the outer step of the last
+    two steps with the pair (``average_at_end``); ``synchronize()`` then makes every
+    replica the exact average, slow weights and momentum too."""
+
+    def worker(comm):
+        model = PROBLEM.model()
+        opt = gossamer.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=LR), NoLoCo(period=5), comm
+        )
+        for step in range(7):
+            a, y = PROBLEM.data(comm.rank, step)
+            opt.zero_grad()
+            (0.5 * (model(a) - y).pow(2).sum(1).mean()).backward()
+            opt.step()
+        opt.finish()
+        finished = (opt.runtime.synchronizations, comm.stats.operations["exchange"])
+        opt.synchronize()
+        runtime = opt.runtime
+        state = [g.detach().clone() for g in runtime.outer.global_params]
+        state += [
+            runtime.outer.optimizer.state[g]["momentum_buffer"].clone()
+            for g in runtime.outer.global_params
+        ]
+        return finished, [p.detach().clone() for p in model.parameters()], state
+
+    results = SimWorld(4).run(worker)
+    for finished, params, state in results:
+        assert finished == (2, 2)  # step 5's outer step and the end's
+        for x, y in zip(params + state, results[0][1] + results[0][2], strict=True):
+            assert torch.equal(x, y)
+
+
 def test_options_are_checked_naming_them():
     for kwargs, name in [
         ({"period": 0}, "period"),

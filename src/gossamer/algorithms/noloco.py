@@ -43,7 +43,8 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -82,8 +83,9 @@ class NoLoCo(Algorithm):
         replica_size, bucket_mb: as :class:`DiLoCo`'s: the members of a replica all-reduce
             their gradients every step, and the pairs are drawn between replicas.
         reestimate_batchnorm: as :class:`LocalSGD`'s.
-        average_at_end: an exact average of the replicas after the last step (default False:
-            each worker ends with its own model; the evaluation measures their average).
+        average_at_end: an outer step with the pair after the last step if it did not end a
+            round (default True), as DiLoCo's. The replicas end apart either way: the
+            evaluation measures their average.
     """
 
     name: ClassVar[str] = "noloco"
@@ -116,9 +118,13 @@ class NoLoCo(Algorithm):
     bucket_mb: float = option_of(DiLoCo, "bucket_mb")
     reestimate_batchnorm: int = option_of(LocalSGD, "reestimate_batchnorm")
     average_at_end: bool = option(
-        False,
-        "an exact average (all-reduce) of the replicas after the last step, so that all end equal",
+        True,
+        "an outer step with the pair after the last step if it did not end a round "
+        "(the run's length unknown), so that no inner step is left out",
     )
+
+    # the world size resolve() was given (0: not resolved): whether the pairing is symmetric
+    _resolved_for: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         QuadraticRule(self.period, self.alpha, self.power)  # its checks, also with alpha 0
@@ -147,6 +153,21 @@ class NoLoCo(Algorithm):
 
     def validate(self, world_size: int) -> None:
         check_replicas_divide(self.replica_size, world_size)
+
+    def resolve(self, world_size: int) -> NoLoCo:
+        """This configuration for ``world_size`` workers, which :meth:`symmetric` reads."""
+        self.validate(world_size)
+        if self._resolved_for == world_size:
+            return self
+        resolved = dataclasses.replace(self)
+        object.__setattr__(resolved, "_resolved_for", world_size)
+        return resolved
+
+    def symmetric(self) -> bool:
+        # every worker sends to one peer and receives from it in each call, at the same time:
+        # an even number of replicas (an odd one makes a group of three), or one (no peer)
+        replicas = self._resolved_for // self.replica_size
+        return replicas == 1 or (replicas > 0 and replicas % 2 == 0)
 
     def sharding_refusal(self) -> str | None:
         return None  # the pair's mean and the outer step are element-wise
@@ -177,15 +198,19 @@ class NoLoCoRuntime(DiLoCoRuntime):
         super()._connect(comm)
         self.pairs = RandomPairs(self.across.world_size)
 
-    @torch.no_grad()
     def _average(self) -> None:
-        """NoLoCo's outer step with this worker's group, drawn from the steps done."""
+        """The outer step that ends a round (in ``after_step``: ``step + 1`` steps done)."""
+        self._outer_step(self.step + 1)
+
+    @torch.no_grad()
+    def _outer_step(self, done: int) -> None:
+        """NoLoCo's outer step with this worker's group, drawn from the ``done`` steps."""
         if not all_finite(self.trained):
             raise self.nonfinite_error("parameters")
         indices = list(range(len(self.trained)))
         deltas = self.outer.pseudo_gradients(indices)  # phi_i - theta_i
         means = [g.detach().clone() for g in self.outer.global_params] + deltas
-        group = self.pairs.group(self.across.rank, self.step + 1)
+        group = self.pairs.group(self.across.rank, done)
         apply_flat(means, lambda buffer: group_mean(self.across, [buffer], group))
         consensus = self.config.consensus
         for i, delta in enumerate(deltas):  # mean_G(delta) + (gamma / beta)(phi_i - mean_G(phi))
@@ -194,7 +219,7 @@ class NoLoCoRuntime(DiLoCoRuntime):
         for p, g in zip(self.trained, self.outer.global_params, strict=True):
             p.copy_(g)
         self.synchronizations += 1
-        self.last_averaged = self.step
+        self.last_averaged = done - 1
 
     def _replicas_equal(self) -> bool:
         return False  # NoLoCo's outer step leaves every pair's replicas apart
@@ -203,14 +228,16 @@ class NoLoCoRuntime(DiLoCoRuntime):
     def average_parameters(self) -> None:
         """The exact average over every worker (one all-reduce) of the parameters, the slow
         weights and the outer momentum: the replicas then hold one state. For a restarted
-        worker's admission, ``average_at_end``, and the members after a failure."""
+        worker's admission and the members after a failure."""
         tensors = [p.data for p in self.trained] + [g.data for g in self.outer.global_params]
         average_tensors(self.comm, tensors + optimizer_state_tensors(self.outer.optimizer))
         self.synchronizations += 1
 
     def finish(self) -> None:
-        if self.config.average_at_end:
-            self.average_parameters()
+        """An outer step over the last round if it did not end at the last step (and the
+        run had a step)."""
+        if self.config.average_at_end and self.step > 0 and self.last_averaged != self.step - 1:
+            self._outer_step(self.step)
 
     @torch.no_grad()
     def change_membership(self, comm: Communicator, algorithm: Any) -> None:
