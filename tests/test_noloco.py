@@ -238,6 +238,33 @@ def test_bytes_per_worker_do_not_depend_on_the_number_of_workers():
         assert set(SimWorld(n).run(worker)) == {(160, 2)}, n
 
 
+def test_only_the_peer_waits_for_a_straggler():
+    """One outer step of 4 workers, rank 3 four times slower: its peer waits for it, the other
+    pair does not (DiLoCo's all-reduce makes everybody wait)."""
+    from gossamer.comm import ComputeModel
+
+    def worker(comm, algorithm):
+        model = nn.Linear(4, 2)
+        opt = gossamer.distribute(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm, comm, total_steps=3
+        )
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        return comm.idle_time
+
+    def idle(algorithm):
+        world = SimWorld(4, compute=ComputeModel(step_time=0.01, stragglers={3: 4.0}))
+        return world.run(worker, algorithm)
+
+    peer = next(r for g in RandomPairs(4).groups(3) if 3 in g for r in g if r != 3)
+    noloco, diloco = idle(NoLoCo(period=3)), idle(gossamer.DiLoCo(period=3))
+    for rank in range(3):
+        assert diloco[rank] > 0.08  # 3 steps of 0.03 s behind: everybody waits
+        assert (noloco[rank] > 0.08) == (rank == peer), (rank, peer, noloco)
+
+
 def test_one_worker_is_dilocos_outer_step_with_heavy_ball_momentum():
     """Alone, a worker's group is itself: NoLoCo is DiLoCo with outer SGD without Nesterov."""
     a = SimWorld(1).run(_worker, NoLoCo(period=3))[0]
@@ -354,6 +381,35 @@ def test_the_survivors_go_on_after_a_crash():
     assert result["step"] == 6 and math.isfinite(result["eval_loss"])
 
 
+def test_a_nan_stops_its_worker_is_skipped_or_left_behind():
+    """Rank 1's parameters turn NaN at step 3: it stops at its outer step before sending
+    (its peer then stops waiting for it), skips the update under ``nonfinite="skip"``, and
+    under ``continue`` the others go on without it."""
+    from gossamer.comm import CommError, SimulationError
+
+    def run(**settings):
+        return run_training(
+            TrainConfig(
+                algorithm="noloco",
+                sim=4,
+                quiet=True,
+                timeout=3,
+                steps=6,
+                faults=("1:3:nan",),
+                options={"period": 2},
+                **settings,
+            )
+        )
+
+    with pytest.raises(SimulationError) as error:
+        run()
+    failures = error.value.failures
+    assert isinstance(failures[1], FloatingPointError) and "rank 1:" in str(failures[1])
+    assert all(isinstance(failures[r], CommError) for r in (0, 2, 3))
+    assert run(nonfinite="skip")["skipped_steps"] >= 1
+    assert run(on_failure="continue")["membership"][-1]["members"] == [0, 2, 3]
+
+
 # ------------------------------------------------------------------------- SimWorld = gloo
 
 
@@ -377,3 +433,56 @@ def test_simworld_and_gloo_agree_in_bytes_and_synchronisations():
         assert s[2] == g[2] and s[3] == g[3]
         for x, y in zip(s[0], g[0], strict=True):
             assert torch.allclose(x, y, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+@pytest.mark.timing
+def test_gloo_survivors_go_on_as_in_the_simulator(tmp_path, capsys):
+    """Rank 2 of 4 gloo processes crashes at step 20 (H = 5): its peer of that outer step
+    fails, the others when they next wait for a member that has left to regroup; the
+    survivors agree, average exactly once and finish every step, exit 0, with the
+    simulator's membership history."""
+    import json
+
+    from gossamer.launch import launch
+
+    out, steps, crash = tmp_path / "result.json", 40, "2:20:crash"
+    args = [
+        "--algorithm",
+        "noloco",
+        "--option",
+        "period=5",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        str(steps),
+        "--quiet",
+        "--fault",
+        crash,
+        "--on-failure",
+        "continue",
+        "--timeout",
+        "3",
+    ]
+    code = launch([*args, "--json", str(out)], nproc=4)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "rank 2 exited with code 17; the others went on without it" in err
+    result = json.loads(out.read_text())["result"]
+    assert result["world_size"] == 3 and result["step"] == steps
+    simulated = run_training(
+        TrainConfig(
+            algorithm="noloco",
+            options={"period": 5},
+            sim=4,
+            steps=steps,
+            eval_every=steps,
+            timeout=3,
+            quiet=True,
+            on_failure="continue",
+            faults=(crash,),
+        )
+    )
+    assert result["membership"] == simulated["membership"]
+    assert math.isfinite(result["eval_loss"])
