@@ -364,19 +364,24 @@ def test_a_resumed_run_ends_bit_equal():
     assert not torch.equal(straight[0], straight[1])  # the replicas differ: a real check
 
 
-def test_the_survivors_go_on_after_a_crash():
-    result = run_training(
+def _tiny(fault: str, **settings) -> dict:
+    """6 steps of 4 simulated workers at H = 2 with ``fault`` (virtual timeout 3 s)."""
+    return run_training(
         TrainConfig(
             algorithm="noloco",
             sim=4,
             quiet=True,
             timeout=3,
             steps=6,
-            faults=("1:3:crash",),
-            on_failure="continue",
+            faults=(fault,),
             options={"period": 2},
+            **settings,
         )
     )
+
+
+def test_the_survivors_go_on_after_a_crash():
+    result = _tiny("1:3:crash", on_failure="continue")
     assert result["membership"][-1]["members"] == [0, 2, 3] and result["world_size"] == 3
     assert result["step"] == 6 and math.isfinite(result["eval_loss"])
 
@@ -387,27 +392,13 @@ def test_a_nan_stops_its_worker_is_skipped_or_left_behind():
     under ``continue`` the others go on without it."""
     from gossamer.comm import CommError, SimulationError
 
-    def run(**settings):
-        return run_training(
-            TrainConfig(
-                algorithm="noloco",
-                sim=4,
-                quiet=True,
-                timeout=3,
-                steps=6,
-                faults=("1:3:nan",),
-                options={"period": 2},
-                **settings,
-            )
-        )
-
     with pytest.raises(SimulationError) as error:
-        run()
+        _tiny("1:3:nan")
     failures = error.value.failures
     assert isinstance(failures[1], FloatingPointError) and "rank 1:" in str(failures[1])
     assert all(isinstance(failures[r], CommError) for r in (0, 2, 3))
-    assert run(nonfinite="skip")["skipped_steps"] >= 1
-    assert run(on_failure="continue")["membership"][-1]["members"] == [0, 2, 3]
+    assert _tiny("1:3:nan", nonfinite="skip")["skipped_steps"] >= 1
+    assert _tiny("1:3:nan", on_failure="continue")["membership"][-1]["members"] == [0, 2, 3]
 
 
 # ------------------------------------------------------------------------- SimWorld = gloo
