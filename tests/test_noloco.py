@@ -364,6 +364,36 @@ def test_a_resumed_run_ends_bit_equal():
     assert not torch.equal(straight[0], straight[1])  # the replicas differ: a real check
 
 
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_bit_equal(tmp_path, monkeypatch):
+    """``gossamer train``'s checkpoints: each worker's own slow weights and momentum are in
+    its shard of the checkpoint (they differ between workers)."""
+    from resume_helpers import straight_and_resumed
+
+    from gossamer.train import checkpoint as ckpt
+
+    straight, stopped, _ = straight_and_resumed(
+        monkeypatch,
+        tmp_path,
+        15,
+        sim=4,
+        steps=30,
+        eval_every=10,
+        checkpoint_every=10,
+        algorithm="noloco",
+        options={"period": 4},
+        quiet=True,
+    )
+    models = []
+    for rank in range(4):
+        a = ckpt.safe_load(ckpt.latest_checkpoint(straight) / f"rank-{rank:05d}.pt")
+        b = ckpt.safe_load(ckpt.latest_checkpoint(stopped) / f"rank-{rank:05d}.pt")
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), (rank, key)
+        models.append(a["model"])
+    assert not all(torch.equal(models[0][k], models[1][k]) for k in models[0])  # apart
+
+
 def _tiny(fault: str, **settings) -> dict:
     """6 steps of 4 simulated workers at H = 2 with ``fault`` (virtual timeout 3 s)."""
     return run_training(
