@@ -1,10 +1,10 @@
 """Oracle: NoLoCo, written from the paper's equations, and the authors' outer step transcribed.
 
 Kolehmainen, Blagoev, Donaghy, Ersoy, Nies, "NoLoCo: No-all-reduce Low Communication Training
-Method for Large Models" (2025, arXiv 2506.10911), Section 3. Every worker i keeps slow weights
-``phi_i`` and an outer momentum ``Delta_i`` (zero at the start); its fast weights ``theta_i``
-take H inner steps (plain SGD here) from ``phi_i``; then, for the group G of i drawn at that
-outer step,
+Method for Large Models" (2025, arXiv 2506.10911), its modified Nesterov outer step. Every
+worker i keeps slow weights ``phi_i`` and an outer momentum ``Delta_i`` (zero at the start);
+its fast weights ``theta_i`` take H inner steps (plain SGD here) from ``phi_i``; then, for the
+group G of i drawn at that outer step,
 
     delta_j  = phi_j - theta_j                                          the outer gradient
     Delta_i  = alpha Delta_i - beta mean_G(delta) - gamma (phi_i - mean_G(phi))

@@ -2,7 +2,7 @@
 with one random peer, and a modified Nesterov step pulls each replica towards its pair.
 
 Kolehmainen, Blagoev, Donaghy, Ersoy, Nies, "NoLoCo: No-all-reduce Low Communication Training
-Method for Large Models" (2025, arXiv 2506.10911), its outer step (Section 3). Each worker i
+Method for Large Models" (2025, arXiv 2506.10911), its modified Nesterov outer step. Each worker i
 keeps its own slow weights ``phi_i`` and outer momentum ``Delta_i``; it takes H steps of its
 inner optimizer from ``phi_i`` to ``theta_i``, and then, with the group G it is drawn into
 (:class:`~gossamer.topology.RandomPairs`: two workers, the same draw on every worker):
@@ -21,7 +21,7 @@ Here the update is the outer SGD of :mod:`gossamer.algorithms.outer` (learning r
 momentum alpha, no Nesterov) stepping on ``mean_G(delta) + (gamma / beta) (phi_i -
 mean_G(phi))``: torch's momentum buffer is ``-Delta_i / beta``, the same recursion. Each worker
 sends its slow weights and its pseudo-gradient to its peer, as the authors' code does: twice
-the model in float32 per outer step, whatever the number of workers.
+the model per outer step, whatever the number of workers.
 
 Defaults: the authors' configurations of NoLoCo (jkolehm/noloco, ``configs/no_reduce_exp``,
 the ``*noloco_mean*`` files, ``SparseOptimizerC``): H = 50, groups of 2, outer learning rate
