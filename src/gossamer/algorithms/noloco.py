@@ -109,7 +109,11 @@ class NoLoCo(Algorithm):
     )
     alpha: float = option_of(DiLoCo, "alpha")
     power: float = option_of(DiLoCo, "power")
-    warmup: str = option_of(DiLoCo, "warmup")
+    warmup: str = option(
+        "steps",
+        'with alpha > 0: "rising_lr": H_base while the lr rises; "steps": no warm-up '
+        "(NoLoCo makes no synchronous one)",
+    )
     replica_size: int = option(
         1,
         "workers per replica: they all-reduce gradients every step, "
