@@ -18,7 +18,8 @@ What each method must satisfy:
 
 - AllReduce, SGP, Overlap SGP, D-PSGD, AD-PSGD, local SGD, QSR, GossipGraD, WAGMA with
   ``tau = 0``, SPARTA (each step's partial average conserves the sum of every position it
-  draws, and leaves the others): exactly, at any speeds.
+  draws, and leaves the others), NoLoCo with outer learning rate 1, no momentum and
+  ``gamma = beta`` (a pairwise average): exactly, at any speeds.
 - WAGMA with ``tau >= 1``: exactly when nobody is late (equal speeds). With a straggler, a
   group round is not one simultaneous collective: each member averages, when it gets there,
   with the newest models it holds (the module's docstring), so a member that averages later
@@ -83,6 +84,7 @@ from gossamer.algorithms import (
     GossipGraD,
     LocalSGD,
     MuLoCo,
+    NoLoCo,
     PowerSGDAllReduce,
     QSGDAllReduce,
     RandomKAllReduce,
@@ -174,6 +176,11 @@ CASES = [
     # the 2-bit values did not send
     Case("muloco-no-decay", MuLoCo(period=4, error_decay=1.0, outer_lr=1.0,
                                    outer_momentum=0.0, outer_nesterov=False), UNSENT_OUTER),
+    # NoLoCo with outer lr 1, no momentum and gamma = beta: each worker's new slow weights
+    # are its pair's mean of the fast weights, a pairwise average (with momentum, the mean
+    # moves as DiLoCo's outer step would: tests/test_noloco.py)
+    Case("noloco-pair-average", NoLoCo(period=4, outer_lr=1.0, outer_momentum=0.0,
+                                       consensus=1.0)),
     Case("demo", DeMo(), SIGNUM),
     Case("demo-small-chunks", DeMo(compression_topk=2, compression_chunk=4), SIGNUM),
 ]

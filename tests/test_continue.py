@@ -180,7 +180,7 @@ def test_rank_0_dying_hands_the_records_to_the_next_member(tmp_path):
 ROWS = ["allreduce", "topk", "sgp", "dpsgd", "adpsgd", "localsgd", "diloco", "sparta", "demo",
         "wagma", "gossipgrad"]
 CONTINUING = ["sgp", "osgp", "dpsgd", "adpsgd", "localsgd", "qsr", "diloco",
-              "streaming-diloco", "sparta", "demo", "wagma", "gossipgrad"]
+              "streaming-diloco", "sparta", "demo", "wagma", "gossipgrad", "noloco"]
 
 
 @pytest.mark.parametrize("kind", ["crash", "hang"])
@@ -232,7 +232,7 @@ def test_table_a_slow_link_delays_but_never_fails(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["sgp", "localsgd", "diloco", "sparta", "demo",
-                                       "gossipgrad"])
+                                       "gossipgrad", "noloco"])
 def test_a_rejoining_worker_receives_a_live_members_state(algorithm):
     # rank 2 rejoins: it receives rank 0's model, optimizer state, algorithm state and step;
     # rank 1 keeps its own

@@ -291,6 +291,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "gossipgrad": {"allreduce_every": 2}, "sgp": {"allreduce_every": 2},
     "osgp": {"allreduce_every": 2}, "wagma": {"allreduce_every": 2},
     "diloco": {"period": 2}, "localsgd": {"period": 2}, "qsr": {"period": 2},
+    "noloco": {"period": 2},
     "streaming-diloco": {"period": 4, "fragments": 2},
     "sparta": {"fraction": 0.1},
 }

@@ -55,7 +55,7 @@ def test_every_registered_method_has_a_style_of_its_own():
     assert set(style.METHOD_STYLES) == set(names)  # a new method is given its place
     looks = {(s.color, s.marker, s.linestyle) for s in map(style.method_style, names)}
     assert len(looks) == len(names)
-    families = [("sgp", "osgp", "dpsgd", "adpsgd", "gossipgrad", "wagma"),
+    families = [("sgp", "osgp", "dpsgd", "adpsgd", "gossipgrad", "wagma", "noloco"),
                 ("localsgd", "qsr", "diloco", "streaming-diloco", "sparta", "demo",
                  "sparseloco", "desloc", "muloco"),
                 ("dgc", "fp16", "powersgd", "qsgd", "topk", "randomk")]

@@ -52,18 +52,21 @@ def test_one_worker_predicts_what_every_worker_does(label, spec):
 
 def test_the_symmetric_methods_are_most_of_them():
     """The declaration matters: the collective and circulant-gossip methods are symmetric,
-    Streaming DiLoCo's all-to-all by offset is, WAGMA's groups whose members send to each
+    Streaming DiLoCo's all-to-all by offset is, NoLoCo's one peer a call (an even number of
+    replicas) is, WAGMA's groups whose members send to each
     other are (mirrored as partners, checked as the simulation goes); a synchronous group
     average (WAGMA with tau=0, whose waits depend on each member's place in the senders'
     queues) and AD-PSGD's requests, answered as they come, are not."""
     symmetric = {name for name in available() if create(name, None).resolve(16).symmetric()}
     assert {"allreduce", "dgc", "qsgd", "powersgd", "localsgd", "diloco", "demo", "sparta",
-            "sgp", "osgp", "dpsgd", "gossipgrad", "streaming-diloco", "wagma"} <= symmetric
+            "sgp", "osgp", "dpsgd", "gossipgrad", "streaming-diloco", "wagma",
+            "noloco"} <= symmetric
     assert not symmetric & {"adpsgd"}
     assert create("wagma", None).mirror == "partners"
     for label, spec in parse_algorithms("sgp:topology=complete,dgc:aggregation=sparse_allreduce,"
                                         "wagma:tau=0"):
         assert not spec.resolve(8).symmetric(), label
+    assert not create("noloco", None).resolve(15).symmetric()  # a group of three
 
 
 def test_a_cluster_of_unlike_workers_needs_every_worker():

@@ -37,6 +37,7 @@ from gossamer.algorithms import (
     DiLoCo,
     LocalSGD,
     MuLoCo,
+    NoLoCo,
     SparseLoCo,
     StreamingDiLoCo,
     available,
@@ -73,6 +74,8 @@ FAMILIES = {
         ("sparseloco", SparseLoCo(period=2)),
         ("desloc", DESLOC(period=2, momentum_period=3)),
         ("muloco", MuLoCo(period=2)),
+        ("noloco", NoLoCo(period=2)),
+        ("noloco-replicas-of-2", NoLoCo(period=3, replica_size=2)),
     ],
     "gossip": [(name, create(name)) for name in ("sgp", "osgp", "dpsgd", "gossipgrad")],
     "asynchronous": [

@@ -279,9 +279,9 @@ def _drawn_figures(monkeypatch) -> list:
 
 
 @pytest.mark.slow
-def test_eighteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_path,
+def test_nineteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_path,
                                                                           monkeypatch):
-    """compare's 18 default methods: 18 styles, a method's the same in every figure, the
+    """compare's 19 default methods: 19 styles, a method's the same in every figure, the
     legend beside the axes, a log loss axis, and a byte axis spanning less than a decade
     labelled with plain numbers that do not overlap."""
     from gossamer.train.compare import default_algorithms
@@ -289,7 +289,7 @@ def test_eighteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_pat
 
     figures = _drawn_figures(monkeypatch)
     names = default_algorithms().split(",")
-    assert len(names) == 18
+    assert len(names) == 19
     runs = [load_metrics(write_run(tmp_path / name, name, bytes_per_step=1e4 * (1 + 0.02 * i)))
             for i, name in enumerate(names)]
     plot_metric(runs, "loss", "bytes", tmp_path / "loss.png", train=False)  # 10 to 40 steps
@@ -301,7 +301,7 @@ def test_eighteen_runs_are_told_apart_beside_the_data_on_a_log_loss_axis(tmp_pat
     assert sorted(lines) == sorted(names)
     looks = {name: (line.get_color(), line.get_marker(), line.get_linestyle())
              for name, line in lines.items()}
-    assert len(set(looks.values())) == 18
+    assert len(set(looks.values())) == 19
     colour = {name: look[0] for name, look in looks.items()}
     assert len({colour["sgp"], colour["osgp"], colour["sparta"]}) == 3
     assert colour["qsgd"] != colour["wagma"]

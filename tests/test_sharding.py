@@ -62,6 +62,7 @@ from gossamer.algorithms import (
     DiLoCo,
     GossipGraD,
     LocalSGD,
+    NoLoCo,
     StreamingDiLoCo,
 )
 from gossamer.patterns.parts import Part, keep_part, mark_part, part_of
@@ -90,6 +91,9 @@ METHODS = {
     # positions drawn over the whole tensors, each shard averaging those in its rows
     "sparta": SPARTA(fraction=0.3),
     "sparta-partitioned": SPARTA(fraction=0.3, selector="partitioned"),
+    # the pair's mean and the outer step are element-wise (4 replicas of one shard: pairs
+    # drawn among 4)
+    "noloco": NoLoCo(period=2),
 }
 #: compression per local shard: it runs, and the replicas end identical (what it selects or
 #: how it scales differs from the unsharded run's, which takes whole tensors: docs/sharding.md)

@@ -20,6 +20,7 @@ from gossamer.algorithms.dpsgd import DPSGD
 from gossamer.algorithms.gossipgrad import GossipGraD
 from gossamer.algorithms.local_sgd import QSR, LocalSGD
 from gossamer.algorithms.muloco import MuLoCo
+from gossamer.algorithms.noloco import NoLoCo
 from gossamer.algorithms.pushsum import push_sum_average, push_sum_round
 from gossamer.algorithms.registry import (
     available,
@@ -36,7 +37,7 @@ from gossamer.algorithms.streaming_diloco import StreamingDiLoCo
 from gossamer.algorithms.wagma import WAGMA
 
 for _cls in (AllReduce, SGP, OSGP, DPSGD, ADPSGD, LocalSGD, QSR, WAGMA, GossipGraD, *PRESETS,
-             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo, DESLOC, MuLoCo):
+             DiLoCo, StreamingDiLoCo, SPARTA, DeMo, SparseLoCo, DESLOC, MuLoCo, NoLoCo):
     register(_cls)
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "QSR",
     "LocalSGD",
     "MuLoCo",
+    "NoLoCo",
     "OSGP",
     "SGP",
     "SPARTA",

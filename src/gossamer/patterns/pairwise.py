@@ -34,7 +34,8 @@ from gossamer.compress.registry import (
 )
 from gossamer.topology.gossipgrad import GossipGradSchedule
 
-__all__ = ["GradientGossip", "check_gossip_compression", "check_local_group_size"]
+__all__ = ["GradientGossip", "check_gossip_compression", "check_local_group_size",
+           "group_mean"]
 
 
 def check_local_group_size(local_group_size: object, world_size: int) -> int:
@@ -143,6 +144,28 @@ class GradientGossip:
             if memory is not None:
                 memory.update(key, c, payload, own)
             g.copy_(out.mul_(0.5).view_as(g))
+
+
+@torch.no_grad()
+def group_mean(comm: Communicator, buffers: Sequence[torch.Tensor], group: Sequence[int]
+               ) -> None:
+    """Replace each buffer, in place, by its exact mean over the ranks ``group`` (this rank
+    among them): one exchange with each other member, every bucket's posted before any is
+    waited on; the members' values summed in the order of ``group``, then multiplied by
+    ``1 / len(group)``, so that every member computes the same bits. NoLoCo's pair (or
+    triple) average; a group of one leaves the buffers as they are."""
+    others = [r for r in group if r != comm.rank]
+    if not others:
+        return
+    handles = [comm.exchange(dict.fromkeys(others, b), others, recv_like=b) for b in buffers]
+    for buffer, handle in zip(buffers, handles, strict=True):
+        received = handle.wait()
+        total = None
+        for r in group:
+            x = buffer if r == comm.rank else received[r]
+            total = x.clone() if total is None else total.add_(x)
+        assert total is not None
+        buffer.copy_(total.mul_(1.0 / len(group)))
 
 
 def check_gossip_compression(compression: Compression) -> None:

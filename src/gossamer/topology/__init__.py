@@ -6,6 +6,8 @@
 - Builders: :func:`complete`, :func:`ring`, :func:`exponential`, :func:`bipartite_exponential`,
   :func:`hypercube`, :func:`dissemination`, :func:`butterfly_groups`, :func:`random_regular`,
   :func:`from_matrix`, :func:`from_networkx`, and :func:`build` / :data:`TOPOLOGIES` by name.
+- :class:`GossipGradSchedule` (GossipGraD's partners) and :class:`RandomPairs` (NoLoCo's
+  random groups of two): step-indexed schedules.
 """
 
 from gossamer.topology.base import Topology, Weights
@@ -24,10 +26,12 @@ from gossamer.topology.builders import (
     ring,
 )
 from gossamer.topology.gossipgrad import GossipGradSchedule
+from gossamer.topology.pairing import RandomPairs
 
 __all__ = [
     "TOPOLOGIES",
     "GossipGradSchedule",
+    "RandomPairs",
     "Topology",
     "Weights",
     "bipartite_exponential",

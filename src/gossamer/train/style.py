@@ -76,16 +76,16 @@ STYLES = len(PALETTE) * len(LINESTYLES)
 
 #: (band, slot) of each registered method: solid for AllReduce, the gossip methods and local
 #: SGD's family, dashed for the rest (dash-dotted: the newer outer methods). Methods of one
-#: family (the gossip methods; local SGD, QSR, DiLoCo, Streaming DiLoCo, SPARTA, DeMo,
-#: SparseLoCo, DES-LOC and MuLoCo; the compressors) have colours of their
-#: own; two methods sharing a colour differ in line style and marker too.
+#: family (the gossip methods and NoLoCo, which gossips between rounds; local SGD, QSR, DiLoCo,
+#: Streaming DiLoCo, SPARTA, DeMo, SparseLoCo, DES-LOC and MuLoCo; the compressors) have
+#: colours of their own; two methods sharing a colour differ in line style and marker too.
 METHOD_STYLES: dict[str, tuple[int, int]] = {
     "allreduce": (0, 0), "sgp": (0, 1), "osgp": (0, 2), "dpsgd": (0, 3), "adpsgd": (0, 4),
     "gossipgrad": (0, 5), "wagma": (0, 6), "localsgd": (0, 7), "diloco": (0, 8),
     "streaming-diloco": (0, 9),
     "qsr": (1, 1), "dgc": (1, 2), "demo": (1, 3), "sparta": (1, 4), "qsgd": (1, 5),
     "topk": (1, 6), "randomk": (1, 7), "powersgd": (1, 8), "fp16": (1, 9),
-    "sparseloco": (2, 2), "desloc": (2, 5), "muloco": (2, 6),
+    "sparseloco": (2, 2), "desloc": (2, 5), "muloco": (2, 6), "noloco": (2, 7),
 }
 
 
