@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from loco_helpers import assert_gloo_agrees, regression_batch, rounds_run
 from oracles import diloco as oracle
-from resume_helpers import saved_mid_run
+from resume_helpers import saved_mid_run, straight_and_resumed
 from test_diloco import N, _assert_match, _library, _timed
 from test_oracle_local_sgd import DIM, LRS, X0, _grad
 from torch import nn
@@ -23,6 +24,7 @@ import gossamer
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime, OverlappedDiLoCoRuntime
 from gossamer.comm import SimWorld
 from gossamer.comm.network import NetworkModel
+from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig
 
 # ------------------------------------------------------------------ the paper's algorithm
@@ -176,6 +178,49 @@ def test_a_state_saved_with_the_all_reduce_in_flight_resumes_the_same_run(form, 
         assert torch.equal(a, b)
         assert runtime.synchronizations == resumed.synchronizations == 5
         assert sent_too == sent
+
+
+@pytest.mark.parametrize("form", ["delayed", "eager"])
+def test_a_run_of_the_training_loop_resumed_mid_flight_ends_bit_equal(form, monkeypatch,
+                                                                       tmp_path):
+    """Through the training loop's checkpoints (every 3 steps, rounds of 2: the checkpoint of
+    step 3 holds an average in flight), stopped at step 4 and resumed: the last checkpoint
+    holds what the uninterrupted run's does."""
+    settings = dict(algorithm="diloco", sim=2, steps=8, batch_size=8, eval_every=0,
+                    checkpoint_every=3, quiet=True, options={"period": 2, "overlap": form})
+    straight, stopped, _ = straight_and_resumed(monkeypatch, tmp_path, 4, **settings)
+    for rank in range(2):
+        a, b = (ckpt.safe_load(ckpt.latest_checkpoint(run) / f"rank-{rank:05d}.pt")
+                for run in (straight, stopped))
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), (rank, name)
+
+
+def test_an_open_round_keeps_its_progress_when_the_average_in_flight_is_taken_in():
+    """``settle()`` inside a round (the training loop's, before it measures the drift): the
+    round's pseudo-gradient so far stays what it was, and the end's outer step takes it."""
+    def worker(comm, form):
+        torch.manual_seed(0)
+        model = nn.Linear(IN, OUT)
+        opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                  DiLoCo(period=4, overlap=form), comm)  # no total: open
+        for step in range(6):
+            x, y = regression_batch(comm.rank, step, IN, OUT)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        runtime = opt.runtime
+        deltas = [d.clone() for d in runtime.outer.pseudo_gradients(range(2))]
+        runtime.settle()
+        kept = all(torch.allclose(d, e, atol=1e-6) for d, e in zip(
+            deltas, runtime.outer.pseudo_gradients(range(2)), strict=True))
+        opt.finish()
+        return kept, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    for form in ("delayed", "eager"):
+        results = SimWorld(N).run(worker, form)
+        assert all(kept for kept, _ in results)
+        assert all(torch.equal(results[0][1], r[1]) for r in results)
 
 
 # ----------------------------------------------------------------------- options, refusals

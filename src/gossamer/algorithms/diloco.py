@@ -451,12 +451,18 @@ class OverlappedDiLoCoRuntime(DiLoCoRuntime):
         return super()._replicas_equal() and (self.config.overlap == "delayed"
                                               or self.across.world_size == 1)
 
-    def _apply(self, delta: torch.Tensor) -> None:
-        """An outer step with the flat ``delta``; every worker continues from the result."""
+    def _apply(self, delta: torch.Tensor, keep_local: bool = False) -> None:
+        """An outer step with the flat ``delta``; every worker continues from the result, or
+        (``keep_local``, inside a round) moves by as much as the global parameters did, so
+        that the round's pseudo-gradient so far stays what it was."""
         indices = list(range(len(self.trained)))
+        before = [g.detach().clone() for g in self.outer.global_params] if keep_local else []
         self.outer.step(indices, torch.split(delta, self.sizes))
-        for p, g in zip(self.trained, self.outer.global_params, strict=True):
-            p.copy_(g)
+        for i, (p, g) in enumerate(zip(self.trained, self.outer.global_params, strict=True)):
+            if keep_local:
+                p.add_(g - before[i])
+            else:
+                p.copy_(g)
 
     @torch.no_grad()
     def _average(self) -> None:
@@ -497,7 +503,10 @@ class OverlappedDiLoCoRuntime(DiLoCoRuntime):
     @torch.no_grad()
     def settle(self) -> None:
         """Take in the average in flight: ``"delayed"``, its outer step; ``"eager"``, an
-        outer step with the others' share of it (none with one replica: it has none)."""
+        outer step with the others' share of it (none with one replica: it has none), then
+        the replicas, which differ by their own shares, averaged exactly. Inside a round
+        (steps since its start) each worker keeps its progress of the round, moved by as
+        much as the global parameters, and no replica is averaged: the round goes on."""
         before = self._take()
         if before is None:
             return
@@ -505,12 +514,15 @@ class OverlappedDiLoCoRuntime(DiLoCoRuntime):
         if self.config.overlap == "eager" and k == 1:
             return
         own, mean = before
-        self._apply(mean if self.config.overlap == "delayed" else mean - own / k)
-        if self.config.overlap == "eager":  # the replicas differ by their steps: averaged
+        inside = self.last_averaged != self.step - 1
+        self._apply(mean if self.config.overlap == "delayed" else mean - own / k, inside)
+        self.synchronizations += 1
+        if inside:
+            return
+        if self.config.overlap == "eager":
             apply_flat(self.trained, lambda buffer: self.across.all_reduce(buffer, op="mean"))
             for p, g in zip(self.trained, self.outer.global_params, strict=True):
                 g.copy_(p)
-        self.synchronizations += 1
         self.last_averaged = self.step - 1
 
     @torch.no_grad()
@@ -519,6 +531,7 @@ class OverlappedDiLoCoRuntime(DiLoCoRuntime):
         in flight is taken in (:meth:`settle`). Collective."""
         if self.last_averaged != self.step - 1:
             self._average()
+            self.last_averaged = self.step - 1  # (after the steps: the last one's)
         self.settle()
 
     def finish(self) -> None:
