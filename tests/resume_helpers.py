@@ -117,3 +117,22 @@ def saved_mid_run(comm, algorithm, stop, dim: int, steps: int, in_flight):
     opt.finish()
     return (torch.cat([p.detach().flatten() for p in model.parameters()]), was_in_flight,
             opt.runtime, comm.stats.total_bytes_sent)
+
+
+def assert_last_checkpoints_equal(straight: Path, stopped: Path, ranks: int,
+                                  optimizer_state: bool = False) -> None:
+    """The last checkpoint of each of ``ranks`` workers of the two runs holds the same model
+    (and, with ``optimizer_state``, the same state of the inner optimizer), bit for bit."""
+    import torch
+
+    from gossamer.train import checkpoint as ckpt
+
+    for rank in range(ranks):
+        a, b = (ckpt.safe_load(ckpt.latest_checkpoint(run) / f"rank-{rank:05d}.pt")
+                for run in (straight, stopped))
+        for name in a["model"]:
+            assert torch.equal(a["model"][name], b["model"][name]), (rank, name)
+        if optimizer_state:
+            for i, state in a["optimizer"]["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(value, b["optimizer"]["state"][i][key]), (rank, i, key)

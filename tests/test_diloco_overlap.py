@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from loco_helpers import assert_gloo_agrees, regression_batch, rounds_run
 from oracles import diloco as oracle
-from resume_helpers import saved_mid_run, straight_and_resumed
+from resume_helpers import assert_last_checkpoints_equal, saved_mid_run, straight_and_resumed
 from test_diloco import N, _assert_match, _library, _timed
 from test_oracle_local_sgd import DIM, LRS, X0, _grad
 from torch import nn
@@ -24,7 +24,6 @@ import gossamer
 from gossamer.algorithms.diloco import DiLoCo, DiLoCoRuntime, OverlappedDiLoCoRuntime
 from gossamer.comm import SimWorld
 from gossamer.comm.network import NetworkModel
-from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig
 
 # ------------------------------------------------------------------ the paper's algorithm
@@ -189,11 +188,7 @@ def test_a_run_of_the_training_loop_resumed_mid_flight_ends_bit_equal(form, monk
     settings = dict(algorithm="diloco", sim=2, steps=8, batch_size=8, eval_every=0,
                     checkpoint_every=3, quiet=True, options={"period": 2, "overlap": form})
     straight, stopped, _ = straight_and_resumed(monkeypatch, tmp_path, 4, **settings)
-    for rank in range(2):
-        a, b = (ckpt.safe_load(ckpt.latest_checkpoint(run) / f"rank-{rank:05d}.pt")
-                for run in (straight, stopped))
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), (rank, name)
+    assert_last_checkpoints_equal(straight, stopped, 2, optimizer_state=True)
 
 
 def test_an_open_round_keeps_its_progress_when_the_average_in_flight_is_taken_in():
