@@ -40,16 +40,16 @@ of gossamer is used.
 Overlapped DiLoCo, Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and
 Computation in DiLoCo" (2025, arXiv 2502.12996): the average of round t's outer gradients
 ``Delta_i^(t) = theta_i^(t-1) - theta_i`` travels during round t + 1 and is known at its end.
-The delayed form (the paper's naive delayed outer gradients) steps with it one round late,
-``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))`` (nothing after the first round); the eager
-form steps each worker i at once with its own outer gradient for its share and the others' of
-the round before, ``OuterOpt(theta_i^(t-1), Delta_i^(t) / n + (1/n) sum_{j != i}
-Delta_j^(t-1))``, written ``Delta_i^(t) / n + (mean Delta^(t-1) - Delta_i^(t-1) / n)``. Each
-worker keeps its own global copy and outer momentum (equal on every worker in the delayed
-form). The end (the library's): the last average, still in flight after the last step, is
-taken in: its outer step (delayed), or an outer step with the others' share of it and then
-the workers' plain average (eager, with more than one worker; with one there is no other
-share and nothing to do).
+The delayed form (the paper's naive delayed outer gradients, its Algorithm 2) steps with it
+one round late, ``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))`` (nothing after the first
+round); the eager form (its eager updates, Algorithm 3) steps each worker i at once with its
+own outer gradient for its share and the others' of the round before, ``OuterOpt(theta_i^(t-1),
+Delta_i^(t) / n + (1/n) sum_{j != i} Delta_j^(t-1))``, written ``Delta_i^(t) / n + (mean
+Delta^(t-1) - Delta_i^(t-1) / n)``. Each worker keeps its own global copy and outer momentum
+(equal on every worker in the delayed form). The end (the library's): the last average, still
+in flight after the last step, is taken in: its outer step (delayed), or an outer step with
+the others' share of it and then the workers' plain average (eager, with more than one
+worker; with one there is no other share and nothing to do).
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ What this library adds to the paper:
 - **Overlapped outer steps** (``overlap``), Kale, Douillard, Donchev, "Eager Updates For
   Overlapped Communication and Computation in DiLoCo" (2025, arXiv 2502.12996): the average of
   round t's pseudo-gradients travels during round t + 1's inner steps
-  (:class:`OverlappedDiLoCoRuntime`). ``"delayed"``: the paper's naive delayed outer gradients,
-  ``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))``, every worker alike. ``"eager"``: the
-  paper's eager updates, each worker m stepping at once with its own fresh pseudo-gradient for
-  its share and the others' of the round before,
+  (:class:`OverlappedDiLoCoRuntime`). ``"delayed"``: the paper's naive delayed outer gradients
+  (its Algorithm 2), ``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))``, every worker alike.
+  ``"eager"``: the paper's eager updates (its Algorithm 3), each worker m stepping at once with
+  its own fresh pseudo-gradient for its share and the others' of the round before,
   ``OuterOpt(theta_m^(t-1), (1/k) Delta_m^(t) + (1/k) sum_{j != m} Delta_j^(t-1))``, so every
   worker's pseudo-gradient enters once with weight 1/k. With one worker the eager form is
   DiLoCo.
