@@ -16,7 +16,8 @@ over the receivers (column-stochastic), not only over the senders.
 
 What each method must satisfy:
 
-- AllReduce, SGP, Overlap SGP, D-PSGD, AD-PSGD, local SGD, QSR, GossipGraD, WAGMA with
+- AllReduce, SGP, Overlap SGP, D-PSGD, AD-PSGD, local SGD, QSR, DiLoCo with a plain outer step
+  (its delayed and eager forms included), GossipGraD, WAGMA with
   ``tau = 0``, SPARTA (each step's partial average conserves the sum of every position it
   draws, and leaves the others), NoLoCo with outer learning rate 1, no momentum and
   ``gamma = beta`` (a pairwise average): exactly, at any speeds.
@@ -137,6 +138,13 @@ CASES = [
                                       outer_nesterov=False)),
     Case("diloco-groups-of-2", DiLoCo(period=3, replica_size=2, outer_lr=1.0,
                                       outer_momentum=0.0, outer_nesterov=False)),
+    # the overlapped outer steps apply every round's average once, one round late (delayed)
+    # or each worker's own share at once and the others' a round later (eager); the end
+    # takes in the last, and the eager replicas are averaged
+    Case("diloco-delayed-plain-outer", DiLoCo(period=4, overlap="delayed", outer_lr=1.0,
+                                              outer_momentum=0.0, outer_nesterov=False)),
+    Case("diloco-eager-plain-outer", DiLoCo(period=4, overlap="eager", outer_lr=1.0,
+                                            outer_momentum=0.0, outer_nesterov=False)),
     # Streaming DiLoCo keeps the sum without overlap: each fragment's merge mixes a replica
     # with the mean of all; with tau > 0 the global fragment misses the last tau steps, which
     # the merge overwrites in part (the paper's trade: 1 - mixing of them per fragment)

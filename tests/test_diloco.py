@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from oracles import diloco as oracle
 from oracles import local_sgd as local_oracle
-from resume_helpers import state_dict_round_trip
+from resume_helpers import saved_mid_run, state_dict_round_trip
 from test_oracle_local_sgd import DIM, LRS, STEPS, X0, _data, _grad
 from torch import nn
 
@@ -363,9 +363,11 @@ def test_low_precision_trains_like_float32():
     assert 0 < gap < 1e-2
 
 
-def _timed(algorithm, steps: int = 16) -> tuple[float, int]:
+def _timed(algorithm, steps: int = 16, network: NetworkModel | None = None,
+           steps_only: bool = False) -> tuple[float, int]:
     """(virtual seconds, bytes rank 0 sent after the set-up) of a run on a slow network
-    where a step computes 10 ms."""
+    (``network``, default 5 MB/s) where a step computes 10 ms; ``steps_only``: the seconds of
+    the steps alone, from after the set-up to before ``finish()``."""
     from gossamer.comm import ComputeModel
 
     def worker(comm):
@@ -374,16 +376,18 @@ def _timed(algorithm, steps: int = 16) -> tuple[float, int]:
         opt = gossamer.distribute(model, torch.optim.SGD(model.parameters(), lr=0.05),
                                   algorithm, comm, total_steps=steps)
         start = comm.stats.total_bytes_sent  # after the initial broadcast
+        began = comm.clock()
         g = torch.Generator().manual_seed(comm.rank)
         for _ in range(steps):
             opt.zero_grad()
             F.cross_entropy(model(torch.randn(8, 64, generator=g)),
                             torch.randint(0, 4, (8,), generator=g)).backward()
             opt.step()
+        took = comm.clock() - began
         opt.finish()
-        return comm.clock(), comm.stats.total_bytes_sent - start
+        return took if steps_only else comm.clock(), comm.stats.total_bytes_sent - start
 
-    world = SimWorld(N, network=NetworkModel(latency=1e-3, bandwidth=5e6),
+    world = SimWorld(N, network=network or NetworkModel(latency=1e-3, bandwidth=5e6),
                      compute=ComputeModel(step_time=0.01))
     results = world.run(worker)
     return max(r[0] for r in results), results[0][1]
@@ -428,51 +432,19 @@ def test_a_state_saved_with_an_exchange_in_flight_resumes_the_same_run(stop):
     scheduled step, and the run ends bit for bit where the uninterrupted one does, having
     counted the same bytes (what was sent before the save, in either exchange of the mean,
     is sent again uncounted)."""
-    import io
-
     # slots of 4 steps: fragment 0 in flight after steps 1 and 2, fragment 1 after 5 and 6,
     # fragment 0 after 9 and 10 (0-based); "stop": saved before that step
     algorithm = StreamingDiLoCo(period=8, fragments=2, tau=2, mixing=0.5, precision="int4",
                                 average_optimizer_state=True)
 
-    def build():
-        model = nn.Sequential(nn.Linear(DIM, 8), nn.Tanh(), nn.Linear(8, 2))
-        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    def run(stop):
+        return SimWorld(N).run(saved_mid_run, algorithm, stop, DIM, 16,
+                               lambda runtime: runtime.in_flight is not None)
 
-    def worker(comm, stop):
-        torch.manual_seed(0)
-        model, inner = build()
-        opt = gossamer.distribute(model, inner, algorithm, comm, total_steps=16)
-        g = torch.Generator().manual_seed(comm.rank)
-        batches = [(torch.randn(5, DIM, generator=g), torch.randint(0, 2, (5,), generator=g))
-                   for _ in range(16)]
-        in_flight = None
-        for k, (x, y) in enumerate(batches):
-            if k == stop:
-                in_flight = opt.runtime.in_flight is not None
-                buffer = io.BytesIO()
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                           buffer)
-                buffer.seek(0)
-                saved = torch.load(buffer, weights_only=True)
-                model, inner = build()
-                model.load_state_dict(saved["model"])
-                opt = gossamer.distribute(model, inner, algorithm, comm, broadcast=False,
-                                          total_steps=16)
-                opt.load_state_dict(saved["optimizer"])
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        opt.finish()
-        return (torch.cat([p.detach().flatten() for p in model.parameters()]), in_flight,
-                list(opt.runtime.fragment_syncs), comm.stats.total_bytes_sent)
-
-    straight = SimWorld(N).run(worker, None)
-    resumed = SimWorld(N).run(worker, stop)
-    for (a, _, syncs, sent), (b, in_flight, syncs_too, sent_too) in zip(straight, resumed,
-                                                                        strict=True):
+    for (a, _, runtime, sent), (b, in_flight, resumed, sent_too) in zip(
+            run(None), run(stop), strict=True):
         assert in_flight
-        assert torch.equal(a, b) and syncs == syncs_too == [2, 2]
+        assert torch.equal(a, b) and runtime.fragment_syncs == resumed.fragment_syncs == [2, 2]
         assert sent_too == sent
 
 

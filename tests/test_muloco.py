@@ -16,9 +16,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from loco_helpers import regression_batch, rounds_run
+from loco_helpers import assert_gloo_agrees, regression_batch, rounds_run
 from oracles.muloco import muloco as oracle
-from resume_helpers import straight_and_resumed
+from resume_helpers import assert_last_checkpoints_equal, straight_and_resumed
 from torch import nn
 
 import gossamer
@@ -28,7 +28,6 @@ from gossamer.algorithms.muloco import MuLoCo
 from gossamer.comm import SimWorld
 from gossamer.compress import ErrorFeedback
 from gossamer.optim import MuonWithAdamW, muon, muon_parameters
-from gossamer.train import checkpoint as ckpt
 from gossamer.train.config import TrainConfig
 from gossamer.train.run import run_training
 
@@ -236,14 +235,7 @@ def test_muon_on_the_command_line_and_its_checkpoint_resume_bit_equal(monkeypatc
                     batch_size=8, eval_every=0, checkpoint_every=2, quiet=True,
                     options={"period": 3})
     straight, stopped, _ = straight_and_resumed(monkeypatch, tmp_path, 3, **settings)
-    for rank in range(2):
-        a, b = (ckpt.safe_load(ckpt.latest_checkpoint(run) / f"rank-{rank:05d}.pt")
-                for run in (straight, stopped))
-        for name in a["model"]:
-            assert torch.equal(a["model"][name], b["model"][name]), (rank, name)
-        for i, state in a["optimizer"]["state"].items():  # Muon's and AdamW's
-            for key, value in state.items():
-                assert torch.equal(value, b["optimizer"]["state"][i][key]), (rank, i, key)
+    assert_last_checkpoints_equal(straight, stopped, 2, optimizer_state=True)  # Muon's, AdamW's
 
 
 @pytest.mark.slow
@@ -267,21 +259,6 @@ def test_replicas_of_two_hold_the_same_parameters():
 # ------------------------------------------------------------------------- SimWorld = gloo
 
 
-def _gloo_run(comm, algorithm):
-    comm.stats.reset()  # run_in_turn opens each run with a barrier
-    trajectory, syncs, sent = _worker(comm, algorithm)
-    return trajectory[-1], syncs, sent, dict(comm.stats.operations)
-
-
 @pytest.mark.gloo
 def test_simworld_and_gloo_agree_in_bytes_and_synchronisations():
-    from gossamer.testing import collect, run_in_turn, spawn_gloo
-
-    algorithm = MuLoCo(period=H)
-    runs = [("muloco", (algorithm,))]
-    gloo = collect(spawn_gloo(run_in_turn, N, args=(_gloo_run, runs), timeout=120), "muloco")
-    sim = SimWorld(N).run(_gloo_run, algorithm)
-    for s, g in zip(sim, gloo, strict=True):
-        assert s[1] == g[1] == [2, 5, 8]
-        assert s[2] == g[2] and s[3] == g[3]
-        assert torch.allclose(s[0], g[0], rtol=0, atol=1e-6)
+    assert_gloo_agrees(_worker, {"muloco": MuLoCo(period=H)}, N, [2, 5, 8])

@@ -12,7 +12,8 @@ the checks of :mod:`gossamer.comm.recording` read every rank's record: the proce
 and each P2PGroup subgroup's (DiLoCo's and Streaming DiLoCo's replicas, WAGMA's groups).
 
 The cases are every registered method (the compressed presets included), AllReduce without
-overlap, DiLoCo and Streaming DiLoCo between replicas of 2, and the asynchronous methods with
+overlap, DiLoCo and Streaming DiLoCo between replicas of 2, DiLoCo's delayed and eager outer
+steps, and the asynchronous methods with
 their steps paced, in four families (one set of processes runs a family's cases in turn).
 """
 
@@ -66,6 +67,9 @@ FAMILIES = {
         ("qsr", QSR(period=2)),
         ("diloco", DiLoCo(period=2)),
         ("diloco-replicas-of-2", DiLoCo(period=2, replica_size=2)),
+        # the outer average in flight during the next round, from the main thread in order
+        ("diloco-delayed", DiLoCo(period=2, overlap="delayed")),
+        ("diloco-eager-replicas-of-2", DiLoCo(period=2, overlap="eager", replica_size=2)),
         ("streaming-diloco", StreamingDiLoCo(period=4, fragments=2)),
         ("streaming-diloco-replicas-of-2",
          StreamingDiLoCo(period=6, fragments=2, tau=2, replica_size=2, precision="int8")),

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from loco_helpers import regression_batch, rounds_run
+from loco_helpers import assert_gloo_agrees, regression_batch, rounds_run
 from oracles.statistical import quantise
 from resume_helpers import state_dict_round_trip
 from torch import nn
@@ -255,22 +255,7 @@ def test_the_survivors_go_on_after_a_crash():
 # ------------------------------------------------------------------------- SimWorld = gloo
 
 
-def _gloo_run(comm, algorithm):
-    comm.stats.reset()  # run_in_turn opens each run with a barrier
-    trajectory, syncs, sent = _worker(comm, algorithm)
-    return trajectory[-1], syncs, sent, dict(comm.stats.operations)
-
-
 @pytest.mark.gloo
 def test_simworld_and_gloo_agree_in_bytes_and_synchronisations():
-    from gossamer.testing import collect, run_in_turn, spawn_gloo
-
-    algorithm = SparseLoCo(period=H, chunk=4, topk=3)
-    runs = [("sparseloco", (algorithm,))]
-    gloo = collect(spawn_gloo(run_in_turn, N, args=(_gloo_run, runs), timeout=120),
-                   "sparseloco")
-    sim = SimWorld(N).run(_gloo_run, algorithm)
-    for s, g in zip(sim, gloo, strict=True):
-        assert s[1] == g[1] == [2, 5, 8, 11]
-        assert s[2] == g[2] and s[3] == g[3]
-        assert torch.allclose(s[0], g[0], rtol=0, atol=1e-6)
+    assert_gloo_agrees(_worker, {"sparseloco": SparseLoCo(period=H, chunk=4, topk=3)}, N,
+                       [2, 5, 8, 11])

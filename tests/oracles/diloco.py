@@ -36,6 +36,20 @@ synchronously; here the rounds that start before ``warmup_steps`` (one step long
 methods) end with a plain exact average of the replicas, which also becomes the global copy,
 and the outer optimizer starts after them. Everything here is float64 and sequential; nothing
 of gossamer is used.
+
+Overlapped DiLoCo, Kale, Douillard, Donchev, "Eager Updates For Overlapped Communication and
+Computation in DiLoCo" (2025, arXiv 2502.12996): the average of round t's outer gradients
+``Delta_i^(t) = theta_i^(t-1) - theta_i`` travels during round t + 1 and is known at its end.
+The delayed form (the paper's naive delayed outer gradients, its Algorithm 2) steps with it
+one round late, ``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))`` (nothing after the first
+round); the eager form (its eager updates, Algorithm 3) steps each worker i at once with its
+own outer gradient for its share and the others' of the round before, ``OuterOpt(theta_i^(t-1),
+Delta_i^(t) / n + (1/n) sum_{j != i} Delta_j^(t-1))``, written ``Delta_i^(t) / n + (mean
+Delta^(t-1) - Delta_i^(t-1) / n)``. Each worker keeps its own global copy and outer momentum
+(equal on every worker in the delayed form). The end (the library's): the last average, still
+in flight after the last step, is taken in: its outer step (delayed), or an outer step with
+the others' share of it and then the workers' plain average (eager, with more than one
+worker; with one there is no other share and nothing to do).
 """
 
 from __future__ import annotations
@@ -201,6 +215,55 @@ def streaming_diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float
             for xi in x:
                 xi[indices[p]] = mean
     if changed or due or any(kept[p] for p in range(count) if p not in due):
+        run.syncs.append(-1)
+        run.trajectory.append([t.clone() for t in x])
+    return run
+
+
+def overlapped_diloco(x0: torch.Tensor, n: int, grad: GradFn, lrs: Sequence[float],
+                      period: int, form: str, *, optimizer: str = "sgd",
+                      momentum: float = 0.0, weight_decay: float = 0.0, outer_lr: float = 0.7,
+                      outer_momentum: float = 0.9, nesterov: bool = True) -> Run:
+    """DiLoCo with its outer all-reduce overlapping the next round, ``form`` "delayed" or
+    "eager" (see the module's docstring), rounds of ``period`` steps, the last cut to end at
+    the last step; the end, where it changes anything, is the last entry of ``syncs`` (-1)."""
+    steps = len(lrs)
+    theta = [x0.clone() for _ in range(n)]
+    outer = [_OuterSGD(x0, outer_lr, outer_momentum, nesterov) for _ in range(n)]
+    x = [x0.clone() for _ in range(n)]
+    inner = _Inner(n, x0, optimizer, momentum, weight_decay=weight_decay)
+    everything = torch.arange(x0.numel())
+    run, end = Run(), -1
+    pending: tuple[list[torch.Tensor], torch.Tensor] | None = None  # the round before's
+    for k in range(steps):
+        if k > end:
+            h = min(period, steps - k)
+            run.periods.append((k, h))
+            end = k + h - 1
+        x = _inner_steps(x, k, grad, lrs[k], inner, 1)
+        if k == end:
+            deltas = [theta[i] - x[i] for i in range(n)]
+            for i in range(n):
+                if form == "delayed":
+                    if pending is not None:
+                        outer[i].step(theta[i], pending[1], everything)
+                elif pending is None:
+                    outer[i].step(theta[i], deltas[i] / n, everything)
+                else:
+                    outer[i].step(theta[i], deltas[i] / n + (pending[1] - pending[0][i] / n),
+                                  everything)
+                x[i] = theta[i].clone()
+            pending = (deltas, _mean(deltas))
+            run.syncs.append(k)
+        run.trajectory.append([t.clone() for t in x])
+    if pending is not None and (form == "delayed" or n > 1):
+        for i in range(n):
+            delta = pending[1] if form == "delayed" else pending[1] - pending[0][i] / n
+            outer[i].step(theta[i], delta, everything)
+            x[i] = theta[i].clone()
+        if form == "eager":
+            average = _mean(x)
+            x = [average.clone() for _ in range(n)]
         run.syncs.append(-1)
         run.trajectory.append([t.clone() for t in x])
     return run

@@ -123,6 +123,12 @@ class Algorithm(ABC):
         so."""
         return "not proven on local shards yet (tests/test_sharding.py does not run it)"
 
+    def failure_refusal(self) -> str | None:
+        """Why this configuration, of a method that goes on without a failed worker
+        (:attr:`continues_after_failure`), does not (an option that forbids it, named), or
+        None where it does: ``on_failure="continue"`` is refused with this reason."""
+        return None
+
     @abstractmethod
     def bind(
         self, comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer

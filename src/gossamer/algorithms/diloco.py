@@ -29,6 +29,17 @@ What this library adds to the paper:
   pseudo-gradient only with the workers of the same position in the other replicas.
   (``group_size``, this option's old name, is read with a note for one more release.)
 
+- **Overlapped outer steps** (``overlap``), Kale, Douillard, Donchev, "Eager Updates For
+  Overlapped Communication and Computation in DiLoCo" (2025, arXiv 2502.12996): the average of
+  round t's pseudo-gradients travels during round t + 1's inner steps
+  (:class:`OverlappedDiLoCoRuntime`). ``"delayed"``: the paper's naive delayed outer gradients
+  (its Algorithm 2), ``theta^(t) = OuterOpt(theta^(t-1), Delta^(t-1))``, every worker alike.
+  ``"eager"``: the paper's eager updates (its Algorithm 3), each worker m stepping at once with
+  its own fresh pseudo-gradient for its share and the others' of the round before,
+  ``OuterOpt(theta_m^(t-1), (1/k) Delta_m^(t) + (1/k) sum_{j != m} Delta_j^(t-1))``, so every
+  worker's pseudo-gradient enters once with weight 1/k. With one worker the eager form is
+  DiLoCo.
+
 The global parameters and the outer optimizer's state are part of the runtime's state, so
 checkpoints hold them.
 
@@ -38,6 +49,8 @@ Example::
     optimizer = gossamer.distribute(model, inner, DiLoCo(period=500))
     # any outer optimizer (Python): a factory over the global parameters
     DiLoCo(period=50, outer_optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+    # the outer all-reduce hidden behind the next round, eager updates
+    DiLoCo(period=500, overlap="eager")
 """
 
 from __future__ import annotations
@@ -78,10 +91,16 @@ from gossamer.checks import check_choice, check_int
 from gossamer.comm.base import Communicator
 from gossamer.comm.buckets import apply_flat
 from gossamer.comm.state import broadcast_object
+from gossamer.compress.lowbit import LowBit
 from gossamer.compress.reducer import CompressedReducer
 from gossamer.compress.registry import Compression, DGCCompression
 from gossamer.options import option, option_of
 from gossamer.patterns.nonfinite import all_finite
+from gossamer.patterns.scattered import MeanInFlight
+
+#: the choices of DiLoCo's ``overlap``: the paper's blocking outer step, the delayed and the
+#: eager forms of arXiv 2502.12996
+OVERLAPS = ("none", "delayed", "eager")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +124,12 @@ class DiLoCo(Algorithm):
             the members of a replica all-reduce gradients every step (``bucket_mb`` per
             collective).
         bucket_mb: MiB per gradient all-reduce inside a replica (default 25).
+        overlap: ``"none"`` (default): the outer step waits for the all-reduce (the paper's
+            DiLoCo); ``"delayed"``: the all-reduce of a round's pseudo-gradients runs during
+            the next round and its average is applied one round late; ``"eager"``: each
+            worker steps at once with its own pseudo-gradient standing in for its share
+            (arXiv 2502.12996; :class:`OverlappedDiLoCoRuntime`). Not with ``compression``
+            nor ``on_failure="continue"``.
         warmup_steps: rounds that start before this step last ``warmup_period`` steps (1)
             and end with a plain exact average, no outer step: synchronous training while the
             learning rate warms up, as the paper's DiLoCo starts from a model trained
@@ -150,9 +175,17 @@ class DiLoCo(Algorithm):
     replica_size: int = option(1, "workers per replica: they all-reduce gradients every step, "
                                "and DiLoCo runs between the replicas")
     bucket_mb: float = option(25.0, "MiB per gradient all-reduce inside a replica")
+    overlap: str = option("none", "none: the outer step waits for the all-reduce; delayed: "
+                          "the all-reduce runs during the next round, its average applied "
+                          "one round late; eager: each worker steps at once with its own "
+                          "pseudo-gradient for its share (arXiv 2502.12996)")
 
     def __post_init__(self) -> None:
         check_rounds(self)
+        check_choice("overlap", self.overlap, OVERLAPS)
+        if self.overlap != "none" and self.compression is not None:
+            raise ValueError(f"overlap={self.overlap!r} sends the exact float32 average; "
+                             "compression is taken only with overlap='none'")
         if self.compression is not None:
             compression = compression_argument(self.compression)
             if isinstance(compression, DGCCompression):
@@ -180,11 +213,22 @@ class DiLoCo(Algorithm):
         check_replicas_divide(self.replica_size, world_size)
 
     def sharding_refusal(self) -> str | None:
+        if self.overlap != "none":
+            return f"overlap={self.overlap!r}: not proven on local shards yet"
         return optimizer_state_refusal(self)
+
+    def failure_refusal(self) -> str | None:
+        if self.overlap != "none":
+            return (f"diloco's overlap={self.overlap!r} does not go on without a failed "
+                    "worker (its all-reduce in flight spans the old members); use "
+                    "overlap='none'")
+        return None
 
     def bind(self, comm: Communicator, model: nn.Module,
              optimizer: torch.optim.Optimizer) -> DiLoCoRuntime:
         self.validate(comm.world_size)
+        if self.overlap != "none":
+            return OverlappedDiLoCoRuntime(self, comm, model, optimizer)
         return DiLoCoRuntime(self, comm, model, optimizer)
 
 
@@ -326,6 +370,13 @@ class DiLoCoRuntime(LocalSGDRuntime):
             self.outer.step(indices, deltas)
             for p, g in zip(self.trained, self.outer.global_params, strict=True):
                 p.copy_(g)
+        self._average_extras()
+        self.synchronizations += 1
+        self.last_averaged = self.step
+
+    def _average_extras(self) -> None:
+        """What ``average_buffers`` and ``average_optimizer_state`` average exactly at a
+        round's end: the floating-point buffers, the inner optimizer's state. Collective."""
         extra = []
         if self.config.average_buffers:
             extra += [b for b in self.model.buffers() if torch.is_floating_point(b)]
@@ -333,8 +384,6 @@ class DiLoCoRuntime(LocalSGDRuntime):
             extra += optimizer_state_tensors(self.optimizer)
         if extra:
             average_tensors(self.comm, extra)
-        self.synchronizations += 1
-        self.last_averaged = self.step
 
     def reduce(self, deltas: list[torch.Tensor]) -> None:
         """Replace each pseudo-gradient by its average over the groups, in place."""
@@ -355,3 +404,164 @@ class DiLoCoRuntime(LocalSGDRuntime):
         self.outer.load_state_dict(state)
         if self.reducer is not None:
             self.reducer.load_state_dict(state["compression"])
+
+
+class OverlappedDiLoCoRuntime(DiLoCoRuntime):
+    """One worker of DiLoCo whose outer all-reduce overlaps the next round (``overlap``
+    ``"delayed"`` or ``"eager"``), Kale, Douillard, Donchev (2025, arXiv 2502.12996).
+
+    At the end of round t each worker computes ``Delta_m^(t) = theta_m^(t-1) - theta_m`` and
+    starts its average over the replicas (:class:`~gossamer.patterns.scattered.MeanInFlight`,
+    exact, float32 or the model's float64: a reduce-scatter and an all-gather of
+    point-to-point exchanges, a ring all-reduce's bytes, that travel while the next round
+    computes); the average of round t - 1, started a round ago, is taken in first. Then:
+
+    - ``"delayed"``: ``theta^(t) = OuterOpt(theta^(t-1), mean Delta^(t-1))`` (no step after the
+      first round: nothing has arrived); every worker alike.
+    - ``"eager"``: ``theta_m^(t) = OuterOpt(theta_m^(t-1), Delta_m^(t) / k + mean Delta^(t-1) -
+      Delta_m^(t-1) / k)``: this worker's fresh pseudo-gradient for its share, the others' of
+      the round before for theirs (k the replicas); the workers' global copies differ by
+      their last own share.
+
+    Every worker continues from its global parameters. At the end (:meth:`finish`) an open
+    round ends as the others, and the average in flight is taken in: ``"delayed"``, its outer
+    step; ``"eager"``, an outer step with the others' share of it, then the replicas are
+    averaged exactly, so that every worker ends with the same parameters. A checkpoint holds
+    the average in flight (this worker's vector): loaded on every worker, it starts again at
+    once with the same payloads, uncounted, and the run goes on as the one that saved it."""
+
+    config: DiLoCo
+
+    def __init__(self, config: DiLoCo, comm: Communicator, model: nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(config, comm, model, optimizer)
+        self.means = MeanInFlight(LowBit("float32"))
+        self.sizes = [p.numel() for p in self.trained]
+
+    def before_forward(self) -> None:
+        self.means.progress(self.across)
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        self.means.progress(self.across)
+
+    def _replicas_equal(self) -> bool:
+        """After a round's end the replicas are equal, except under the eager form with
+        several replicas: each stepped with its own share."""
+        return super()._replicas_equal() and (self.config.overlap == "delayed"
+                                              or self.across.world_size == 1)
+
+    def _apply(self, delta: torch.Tensor, keep_local: bool = False) -> None:
+        """An outer step with the flat ``delta``; every worker continues from the result, or
+        (``keep_local``, inside a round) moves by as much as the global parameters did, so
+        that the round's pseudo-gradient so far stays what it was."""
+        indices = list(range(len(self.trained)))
+        before = [g.detach().clone() for g in self.outer.global_params] if keep_local else []
+        self.outer.step(indices, torch.split(delta, self.sizes))
+        for i, (p, g) in enumerate(zip(self.trained, self.outer.global_params, strict=True)):
+            if keep_local:
+                p.add_(g - before[i])
+            else:
+                p.copy_(g)
+
+    @torch.no_grad()
+    def _average(self) -> None:
+        """A round's end: the last round's average taken in, this round's started, the outer
+        step of the form."""
+        if self.periods and self.periods[-1][0] < self.config.warmup_steps:
+            super()._average()  # a plain average: synchronous training, nothing in flight
+            return
+        if not all_finite(self.trained):
+            raise self.nonfinite_error("parameters")
+        own = torch.cat([d.reshape(-1) for d in self.outer.pseudo_gradients(
+            range(len(self.trained)))])
+        before = self._take()
+        self.means.start(self.across, 0, own)
+        k = self.across.world_size
+        if self.config.overlap == "delayed":
+            if before is not None:
+                self._apply(before[1])
+            else:  # the first round: nothing has arrived, every worker starts it again
+                for p, g in zip(self.trained, self.outer.global_params, strict=True):
+                    p.copy_(g)
+        elif before is None:
+            self._apply(own / k)
+        else:
+            self._apply(own / k + (before[1] - before[0] / k))
+        self._average_extras()
+        self.synchronizations += 1
+        self.last_averaged = self.step
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this worker's vector, the mean) of the average in flight, waited for; None if
+        none is."""
+        exchange = self.means.in_flight
+        if exchange is None:
+            return None
+        return exchange.vector, self.means.take(self.across)
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Take in the average in flight: ``"delayed"``, its outer step; ``"eager"``, an
+        outer step with the others' share of it (none with one replica: it has none), then
+        the replicas, which differ by their own shares, averaged exactly. Inside a round
+        (steps since its start) each worker keeps its progress of the round, moved by as
+        much as the global parameters, and no replica is averaged: the round goes on."""
+        before = self._take()
+        if before is None:
+            return
+        k = self.across.world_size
+        if self.config.overlap == "eager" and k == 1:
+            return
+        own, mean = before
+        inside = self.last_averaged != self.step - 1
+        self._apply(mean if self.config.overlap == "delayed" else mean - own / k, inside)
+        self.synchronizations += 1
+        if inside:
+            return
+        if self.config.overlap == "eager":
+            apply_flat(self.trained, lambda buffer: self.across.all_reduce(buffer, op="mean"))
+            for p, g in zip(self.trained, self.outer.global_params, strict=True):
+                g.copy_(p)
+        self.last_averaged = self.step - 1
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Every replica the same: an open round ends as every round does, then the average
+        in flight is taken in (:meth:`settle`). Collective."""
+        if self.last_averaged != self.step - 1:
+            self._average()
+            self.last_averaged = self.step - 1  # (after the steps: the last one's)
+        self.settle()
+
+    def finish(self) -> None:
+        """With ``average_at_end``, :meth:`average_parameters`; otherwise the average in
+        flight is taken in."""
+        if self.config.average_at_end:
+            self.average_parameters()
+        else:
+            self.settle()
+
+    def change_membership(self, comm: Communicator, algorithm: Any) -> None:
+        raise ValueError(self.config.failure_refusal())
+
+    def rejoin(self, comm: Communicator, algorithm: Any) -> None:
+        raise ValueError(self.config.failure_refusal())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Also the average in flight, if any: the vector this worker sent."""
+        return {**super().state_dict(), **self.means.state_dict(),
+                "in_flight_of": [self.across.rank, self.across.world_size]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Also the average in flight, when the state is this worker's own (saved at the same
+        rank of as many replicas): it starts again at once, before the next step's compute,
+        with the same payload, uncounted; every worker must load its own state (a resumed
+        run, collective)."""
+        super().load_state_dict(state)
+        owner = [int(x) for x in state.get("in_flight_of", [])]
+        own = owner == [self.across.rank, self.across.world_size]
+        if state.get("in_flight") is not None and not own:
+            raise ValueError("overlap: this state holds another worker's average in flight; "
+                             "resume every worker from its own state")
+        self.means.load_state_dict(state, self.across, own)

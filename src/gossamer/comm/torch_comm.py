@@ -848,7 +848,8 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
               collective: bool = True, seq: int | None = None) -> None:
         started = time.perf_counter()
         try:
-            if self._backend == "gloo" and self._heartbeat is not None and peers:
+            if collective and self._backend == "gloo" and self._heartbeat is not None \
+                    and peers:
                 done = self._wait_watching(work, peers, deadline)
             else:
                 # Work.wait(0) means "no limit" in c10d, so never pass less than a millisecond
@@ -867,9 +868,12 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         left after a failure of its own ends the wait at once (RuntimeError); one that never
         beat is left to the connection and the timeout. Without it, a worker whose collective waits
         on a live peer that is itself stuck behind a dead one would sit there for the whole
-        timeout (300 s on gloo) before the survivors could regroup. A gloo operation goes on
+        timeout (300 s on gloo) before the survivors could regroup. A gloo collective goes on
         after a wait that timed out; the first slices cost nothing to a collective that
-        completes within them."""
+        completes within them. Not for point-to-point operations: a gloo receive whose wait
+        times out closes its pair ("Application timeout caused pair closure"); their peers'
+        deaths show as closed connections, and a survivor that fails closes its group, which
+        its own peers then see."""
         live, hb = self.liveness, self._heartbeat
         assert hb is not None
         seen: dict[int, tuple[object, float]] = {}  # peer -> (its last beat, when it changed)

@@ -408,6 +408,9 @@ def _check_continues(algorithm: Algorithm) -> None:
     """``on_failure='continue'`` with a method that cannot go on without a failed worker is
     an error naming the setting, the method and those that can."""
     if continues_after_failure(algorithm):
+        refusal = algorithm.failure_refusal()
+        if refusal is not None:
+            raise ValueError(f"on_failure='continue' (--on-failure continue): {refusal}")
         return
     from gossamer.algorithms.registry import available, lookup
 
