@@ -40,7 +40,9 @@ from gossamer.comm.base import Communicator, CommunicatorBase, ProcessGroupBacke
 from gossamer.comm.torch_comm import TorchCommunicator
 from gossamer.patterns.parts import mark_part
 
-__all__ = ["LocalShards", "ShardLayout", "check_replica_comm", "is_sharded", "local_shards"]
+__all__ = ["LocalShards", "ShardLayout", "check_replica_comm", "is_dtensor", "is_sharded",
+           "local_shards",
+           "shard_model"]
 
 #: the names of the layout's mesh dimensions
 REPLICA, SHARD = "replica", "shard"
@@ -53,7 +55,8 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def _is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (without importing DTensor where nothing did)."""
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -61,7 +64,7 @@ def _is_dtensor(t: object) -> bool:
 def is_sharded(model: nn.Module) -> bool:
     """Whether a parameter of ``model`` is a DTensor (sharded by FSDP2 or another
     ``torch.distributed.tensor`` API)."""
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 @dataclass
@@ -98,15 +101,16 @@ class ShardLayout:
 
     @classmethod
     def from_env(cls, shards: int, *, backend: str | None = None,
-                 timeout: float | None = None) -> ShardLayout:
+                 timeout: float | None = None, bind_all: bool = False) -> ShardLayout:
         """Initialise torch.distributed from the launcher's environment
-        (:meth:`TorchCommunicator.from_env`, with its ``backend`` and ``timeout``) and lay the
+        (:meth:`TorchCommunicator.from_env`, with its ``backend``, ``timeout`` and
+        ``bind_all``) and lay the
         world's ranks out as ``world_size // shards`` replicas of ``shards`` ranks each.
 
         ``shards`` must divide the world size (ValueError naming it otherwise). A collective
         over every rank: each must call it with the same ``shards``."""
         check_int("shards", shards, 1)
-        world = TorchCommunicator.from_env(backend=backend, timeout=timeout)
+        world = TorchCommunicator.from_env(backend=backend, timeout=timeout, bind_all=bind_all)
         try:
             if world.world_size % shards:
                 raise ValueError(f"shards={shards} must divide the world size, "
@@ -142,9 +146,26 @@ class ShardLayout:
                 f"{self.shards})")
 
 
+def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 over ``mesh`` (``layout.shard_mesh``), as
+    ``gossamer train --shards`` does: an FSDP unit for each block of ``model.blocks`` where it
+    has them (a transformer's), otherwise for each top-level child that holds parameters,
+    then the root for the rest. Returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = getattr(model, "blocks", None)
+    units = (list(blocks.children()) if isinstance(blocks, nn.Module)
+             else list(model.children()))
+    for unit in units:
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (a view of its storage: writes reach it), or ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class LocalShards:
@@ -166,7 +187,7 @@ class LocalShards:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         named = list(model.named_parameters())
-        plain = [name for name, p in named if not _is_dtensor(p)]
+        plain = [name for name, p in named if not is_dtensor(p)]
         if plain:
             raise ValueError(
                 f"model: its parameters are sharded (DTensors) but {_names(plain)} "
