@@ -331,8 +331,8 @@ def check_replica_comm(comm: Communicator | None, shards: LocalShards) -> None:
     """Check that ``comm`` is the replica dimension of ``shards``'s model: a communicator over
     a process group that holds this rank and, of this replica's ranks, no other, whose
     members hold the same shard (of the same number) as this rank. ValueError naming what is
-    missing otherwise. Collective over ``comm`` (one small all-gather, which ``comm`` does
-    not count)."""
+    missing otherwise. Collective over ``comm`` (a barrier and one small all-gather, which
+    ``comm`` does not count)."""
     where = (f"the model's parameters are DTensors sharded by FSDP2 over ranks "
              f"{list(shards.shard_ranks)} (this rank holds shard {shards.shard} of "
              f"{shards.shards})")
@@ -353,7 +353,11 @@ def check_replica_comm(comm: Communicator | None, shards: LocalShards) -> None:
         return
     mine = torch.tensor([shards.shards, shards.shard, len(shards.local),
                          sum(v.numel() for v in shards.local)], dtype=torch.int64)
-    # over a group of every rank, uncounted: the method's counters hold the method's bytes
+    # over a group of every rank, uncounted: the method's counters hold the method's bytes.
+    # The barrier first: a point-to-point exchange on gloo gives up on a peer that comes
+    # later than its first heartbeat (a rank still importing FSDP, say); a collective waits.
+    with comm.uncounted() if isinstance(comm, CommunicatorBase) else nullcontext():
+        comm.barrier()
     everyone = comm.group(range(comm.world_size))
     with everyone.uncounted() if isinstance(everyone, CommunicatorBase) else nullcontext():
         gathered = [t.tolist() for t in everyone.all_gather(mine.to(shards.local[0].device))]

@@ -146,10 +146,6 @@ class Trainer:
             membership = Membership(comm)
         self.membership = membership
         self.algorithm = algorithm if algorithm is not None else config.algorithm
-        if layout is not None:
-            # every rank arrives at distribute()'s first exchange together: a point-to-point
-            # exchange on gloo gives up on a peer later than its first heartbeat
-            comm.barrier()
         self.optimizer = distribute(self.model, make_optimizer(config, self.model),
                                     self.algorithm, method_comm, nonfinite=config.nonfinite,
                                     total_steps=config.steps,
