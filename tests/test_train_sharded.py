@@ -131,6 +131,27 @@ def test_sharded_checkpoint_holds_each_ranks_shard_and_resumes_bit_equal(runs):
         assert torch.equal(tensor, models[1][name]), name
 
 
+def _accumulated(run_dir: str, accumulation: int) -> dict:
+    from gossamer.train.run import run_training
+
+    return run_training(TrainConfig(
+        algorithm="diloco", options={"period": 3}, shards=SHARDS, steps=4, eval_every=0,
+        accumulation=accumulation, batch_size=32 // accumulation, run_dir=run_dir,
+        timeout=60.0, quiet=True))
+
+
+@pytest.mark.slow
+@pytest.mark.gloo
+def test_sharded_accumulation_is_the_whole_batch(tmp_path):
+    """Two micro-batches of 16 (FSDP2 reduce-scatters their sum once) train as one batch of
+    the same 32 examples, within float32 reduction order."""
+    n = REPLICAS * SHARDS
+    two = spawn_gloo(_accumulated, n, args=(str(tmp_path / "two"), 2), timeout=240)[0]
+    one = spawn_gloo(_accumulated, n, args=(str(tmp_path / "one"), 1), timeout=240)[0]
+    for key in ("eval_loss", "train_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+
 def test_shards_refusals_name_the_option():
     with pytest.raises(ValueError, match="shards must be"):
         TrainConfig(shards=0)
@@ -148,6 +169,15 @@ def test_shards_refusals_name_the_option():
         with pytest.raises(ValueError, match=rf"--shards\): {name}=.* is refused on shards"):
             TrainConfig(shards=2, **settings)
     TrainConfig(shards=2, run_dir="d", checkpoint_every=5, checkpoint_format="dcp")
+
+
+def test_resume_on_another_number_of_shards_is_refused(tmp_path):
+    from gossamer.train.run import _check_same_settings, _write_config
+
+    settings = {"run_dir": str(tmp_path), "checkpoint_every": 4, "checkpoint_format": "dcp"}
+    _write_config(TrainConfig(shards=2, **settings), 4)
+    with pytest.raises(ValueError, match=r"shards=2 \(now 1\)"):
+        _check_same_settings(TrainConfig(resume=True, **settings))
 
 
 def test_shards_must_divide_the_world_size(monkeypatch):

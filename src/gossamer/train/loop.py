@@ -262,6 +262,10 @@ class Trainer:
         for micro in range(config.accumulation):
             batch = self.sampler.next_batch()
             final = micro == config.accumulation - 1
+            if self.layout is not None and config.accumulation > 1:
+                # FSDP2 keeps the whole gradients of the micro-batches and reduce-scatters
+                # their sum once, in the last backward
+                self.model.set_requires_gradient_sync(final)
             with contextlib.nullcontext() if final else optimizer.no_sync():
                 loss = loss_fn(self.model(self.dataset.x_train[batch].to(self.device)),
                                self.dataset.y_train[batch].to(self.device))
