@@ -14,6 +14,7 @@ The refusals are in-process and fast.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,11 @@ def test_sharded_diloco_trains_and_ends_with_equal_replicas(runs):
     assert (summary["replicas"], summary["shards"], summary["world_size"]) == (
         REPLICAS, SHARDS, REPLICAS * SHARDS)
     assert summary["bytes_sent"] > 0  # the method's, over the replica dimension
+    from gossamer.cli import summary_text
+
+    text = summary_text(summary)  # what gossamer train prints
+    assert re.search(r"workers +4: 2 replicas x 2 shards", text)
+    assert re.search(r"bytes sent per rank between replicas \(mean\) +\d", text)
     import yaml
 
     config = yaml.safe_load((root / "a" / "config.yaml").read_text())

@@ -307,7 +307,8 @@ def _shard_layout(config: TrainConfig) -> Any:
     if world_size % config.shards:
         raise ValueError(
             f"shards={config.shards} (--shards) must divide the world size, {world_size} "
-            f"processes: launch replicas x shards of them (gossamer launch --nproc R*S)")
+            f"process{'es' if world_size != 1 else ''}: launch replicas x shards of them "
+            "(gossamer launch --nproc R*S)")
     importlib.import_module("torch.distributed.fsdp")  # seconds: before the rendezvous
     return ShardLayout.from_env(shards=config.shards, timeout=config.timeout,
                                 bind_all=config.bind_all)
