@@ -373,8 +373,11 @@ class Trainer:
         from the replica's shards (an all-gather of each over the replica's ranks: every rank
         calls it at the same point). Made once, refilled at each call."""
         if self.whole is None:
-            self.whole = build_model(resolve_model(self.config), self.dataset.input_shape,
-                                     self.dataset.num_classes).to(self.device)
+            # (its initial values are overwritten: the run's random state must not move, or
+            # a resumed run, which makes it at another step, would draw otherwise)
+            with torch.random.fork_rng(devices=[]):
+                self.whole = build_model(resolve_model(self.config), self.dataset.input_shape,
+                                         self.dataset.num_classes).to(self.device)
         with torch.no_grad():
             state = {name: t.full_tensor() if is_dtensor(t) else t
                      for name, t in self.model.state_dict().items()}
