@@ -54,14 +54,20 @@ def _summary_rows(result: dict) -> list[tuple[str, str]]:
 
     clock = "simulated" if result["mode"] == "simulated" else "real"
     acc = result.get("eval_accuracy", float("nan"))
+    workers = f"{result['world_size']} ({result['mode']})"
+    bytes_label = "bytes sent per worker (mean)"
+    if result.get("shards", 1) > 1:  # the method's bytes: the replica dimension's, per rank
+        workers = (f"{result['world_size']}: {result['replicas']} replicas x "
+                   f"{result['shards']} shards ({result['mode']})")
+        bytes_label = "bytes sent per rank between replicas (mean)"
     return [
         ("algorithm", result["algorithm"]),
-        ("workers", f"{result['world_size']} ({result['mode']})"),
+        ("workers", workers),
         ("steps", str(result.get("step", "-"))),
         ("eval accuracy", f"{100 * acc:.2f}%"),
         ("eval loss", f"{result.get('eval_loss', float('nan')):.4f}"),
         ("consensus distance", f"{_or_nan(final_consensus(result)):.3g}"),
-        ("bytes sent per worker (mean)", format_bytes(result.get("bytes_sent", 0.0))),
+        (bytes_label, format_bytes(result.get("bytes_sent", 0.0))),
         ("synchronizations", str(result.get("synchronizations", "-"))),
         *([("non-finite updates skipped", str(result["skipped_steps"]))]
           if result.get("skipped_steps") else []),

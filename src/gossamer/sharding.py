@@ -40,7 +40,9 @@ from gossamer.comm.base import Communicator, CommunicatorBase, ProcessGroupBacke
 from gossamer.comm.torch_comm import TorchCommunicator
 from gossamer.patterns.parts import mark_part
 
-__all__ = ["LocalShards", "ShardLayout", "check_replica_comm", "is_sharded", "local_shards"]
+__all__ = ["LocalShards", "ShardLayout", "check_replica_comm", "is_dtensor", "is_sharded",
+           "local_shards",
+           "shard_model"]
 
 #: the names of the layout's mesh dimensions
 REPLICA, SHARD = "replica", "shard"
@@ -53,7 +55,8 @@ def _dtensor_type() -> type | None:
     return getattr(module, "DTensor", None)
 
 
-def _is_dtensor(t: object) -> bool:
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (without importing DTensor where nothing did)."""
     dtensor = _dtensor_type()
     return dtensor is not None and isinstance(t, dtensor)
 
@@ -61,7 +64,7 @@ def _is_dtensor(t: object) -> bool:
 def is_sharded(model: nn.Module) -> bool:
     """Whether a parameter of ``model`` is a DTensor (sharded by FSDP2 or another
     ``torch.distributed.tensor`` API)."""
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 @dataclass
@@ -98,15 +101,16 @@ class ShardLayout:
 
     @classmethod
     def from_env(cls, shards: int, *, backend: str | None = None,
-                 timeout: float | None = None) -> ShardLayout:
+                 timeout: float | None = None, bind_all: bool = False) -> ShardLayout:
         """Initialise torch.distributed from the launcher's environment
-        (:meth:`TorchCommunicator.from_env`, with its ``backend`` and ``timeout``) and lay the
+        (:meth:`TorchCommunicator.from_env`, with its ``backend``, ``timeout`` and
+        ``bind_all``) and lay the
         world's ranks out as ``world_size // shards`` replicas of ``shards`` ranks each.
 
         ``shards`` must divide the world size (ValueError naming it otherwise). A collective
         over every rank: each must call it with the same ``shards``."""
         check_int("shards", shards, 1)
-        world = TorchCommunicator.from_env(backend=backend, timeout=timeout)
+        world = TorchCommunicator.from_env(backend=backend, timeout=timeout, bind_all=bind_all)
         try:
             if world.world_size % shards:
                 raise ValueError(f"shards={shards} must divide the world size, "
@@ -142,9 +146,26 @@ class ShardLayout:
                 f"{self.shards})")
 
 
+def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 over ``mesh`` (``layout.shard_mesh``), as
+    ``gossamer train --shards`` does: an FSDP unit for each block of ``model.blocks`` where it
+    has them (a transformer's), otherwise for each top-level child that holds parameters,
+    then the root for the rest. Returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = getattr(model, "blocks", None)
+    units = (list(blocks.children()) if isinstance(blocks, nn.Module)
+             else list(model.children()))
+    for unit in units:
+        if any(True for _ in unit.parameters()):
+            fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (a view of its storage: writes reach it), or ``t``."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class LocalShards:
@@ -166,7 +187,7 @@ class LocalShards:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         named = list(model.named_parameters())
-        plain = [name for name, p in named if not _is_dtensor(p)]
+        plain = [name for name, p in named if not is_dtensor(p)]
         if plain:
             raise ValueError(
                 f"model: its parameters are sharded (DTensors) but {_names(plain)} "
@@ -310,8 +331,8 @@ def check_replica_comm(comm: Communicator | None, shards: LocalShards) -> None:
     """Check that ``comm`` is the replica dimension of ``shards``'s model: a communicator over
     a process group that holds this rank and, of this replica's ranks, no other, whose
     members hold the same shard (of the same number) as this rank. ValueError naming what is
-    missing otherwise. Collective over ``comm`` (one small all-gather, which ``comm`` does
-    not count)."""
+    missing otherwise. Collective over ``comm`` (a barrier and one small all-gather, which
+    ``comm`` does not count)."""
     where = (f"the model's parameters are DTensors sharded by FSDP2 over ranks "
              f"{list(shards.shard_ranks)} (this rank holds shard {shards.shard} of "
              f"{shards.shards})")
@@ -332,7 +353,11 @@ def check_replica_comm(comm: Communicator | None, shards: LocalShards) -> None:
         return
     mine = torch.tensor([shards.shards, shards.shard, len(shards.local),
                          sum(v.numel() for v in shards.local)], dtype=torch.int64)
-    # over a group of every rank, uncounted: the method's counters hold the method's bytes
+    # over a group of every rank, uncounted: the method's counters hold the method's bytes.
+    # The barrier first: a point-to-point exchange on gloo gives up on a peer that comes
+    # later than its first heartbeat (a rank still importing FSDP, say); a collective waits.
+    with comm.uncounted() if isinstance(comm, CommunicatorBase) else nullcontext():
+        comm.barrier()
     everyone = comm.group(range(comm.world_size))
     with everyone.uncounted() if isinstance(everyone, CommunicatorBase) else nullcontext():
         gathered = [t.tolist() for t in everyone.all_gather(mine.to(shards.local[0].device))]

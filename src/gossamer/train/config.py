@@ -114,6 +114,9 @@ class TrainConfig:
     # torch.distributed has no authentication: whoever reaches the store's port can join
     bind_all: bool = option(False, "real runs: rendezvous on all interfaces, not only "
                             "MASTER_ADDR")
+    shards: int = option(1, "real runs: ranks each replica's model is sharded over with FSDP2 "
+                         "(rank r*S+s is shard s of replica r); the method runs between the "
+                         "world_size / shards replicas (docs/sharding.md)")
     # simulator (sim > 0)
     sim: int = option(0, "simulated workers; 0: real processes from the launcher environment")
     latency: float = option(50e-6, "simulator: seconds per message")
@@ -141,7 +144,8 @@ class TrainConfig:
     def __post_init__(self, options: Mapping[str, Any] | None, compressor: Any) -> None:
         object.__setattr__(self, "algorithm", resolve_algorithm(self.algorithm, options,
                                                                 compressor))
-        for name in ("steps", "batch_size", "accumulation", "block_size", "log_every"):
+        for name in ("steps", "batch_size", "accumulation", "block_size", "log_every",
+                     "shards"):
             check_int(name, getattr(self, name), minimum=1)
         for name in ("eval_every", "sim", "seed", "checkpoint_every", "warmup_steps",
                      "keep_checkpoints"):
@@ -165,6 +169,8 @@ class TrainConfig:
         _check_choice("on_failure", self.on_failure, ON_FAILURE)
         if self.on_failure == "continue":
             _check_continues(self.algorithm)
+        if self.shards > 1:
+            self._check_shards()
         for name in ("faults", "stragglers", "links"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
@@ -207,6 +213,34 @@ class TrainConfig:
                                  f"{', '.join(sorted(LOGGERS))}")
             if not self.run_dir:
                 raise ValueError("loggers need run_dir (where their records go)")
+
+    def _check_shards(self) -> None:
+        """What a sharded run (``shards`` > 1) cannot do: a ValueError naming it and why."""
+        flag = f"shards={self.shards} (--shards)"
+        if self.sim:
+            raise ValueError(f"{flag} needs real processes: the simulator has no FSDP (its "
+                             "workers hold whole models); launch R x S processes with "
+                             "gossamer launch --nproc or torchrun")
+        refusal = self.algorithm.sharding_refusal()
+        if refusal is not None:
+            raise ValueError(f"{flag}: {self.algorithm.label} does not run on a model sharded "
+                             f"with FSDP2: {refusal}")
+        refused = {
+            "on_failure": (self.on_failure != "stop", "a replica cannot go on without one of "
+                           "its shards yet; use on_failure='stop'"),
+            "nonfinite": (self.nonfinite != "raise", "each shard's ranks would decide alone "
+                          "whether to skip a step, and a replica's shards could then differ"),
+            "optimizer": (self.optimizer == "muon", "Muon orthogonalises whole matrices, and "
+                          "each rank holds only its rows of them; use sgd or adamw"),
+            "checkpoint_format": (bool(self.checkpoint_every or self.resume)
+                                  and self.checkpoint_format != "dcp",
+                                  "a sharded run's checkpoints are saved through DCP, every "
+                                  "rank its own shard: pass --checkpoint-format dcp"),
+        }
+        for name, (no, why) in refused.items():
+            if no:
+                raise ValueError(f"{flag}: {name}={getattr(self, name)!r} is refused on "
+                                 f"shards: {why}")
 
     def check_effect(self) -> None:
         """A setting changed from its default where it does nothing is an error saying why
@@ -470,7 +504,7 @@ GROUPS = {
                                      "quiet"),
     "simulator": ("sim", "latency", "bandwidth", "links", "compute_time", "stragglers",
                   "jitter"),
-    "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all",),
+    "real processes (torchrun, SLURM, mpirun, gossamer launch)": ("bind_all", "shards"),
     "reliability": ("timeout", "faults", "nonfinite", "on_failure"),
 }
 

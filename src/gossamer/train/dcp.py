@@ -19,6 +19,12 @@ is a uint8 tensor ``workers.<rank>.structure`` that is read back with
 ``weights_only=False``, and so that loading needs no template of the state (a fresh optimizer
 has no momentum yet).
 
+A model sharded with FSDP2 (``gossamer train --shards S``, :mod:`gossamer.sharding`): each
+rank's ``workers.<rank>.…`` hold its local shards of the model's and the optimizer's DTensors
+(their global shapes in the structure, from which loading makes them DTensors again over the
+model's mesh), so every rank keeps its own shard of its own replica; ``model.<name>`` is the
+whole averaged model, gathered from the shards. The communicator is then every rank's.
+
 Example::
 
     save_dcp("ckpt/step-100", model, optimizer, comm, step=100)     # collective
@@ -48,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gossamer.comm.base import Communicator, ProcessGroupBacked
+from gossamer.sharding import is_dtensor
 from gossamer.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -75,21 +82,44 @@ def _process_group(comm: Communicator) -> dist.ProcessGroup:
 # -- a worker's state as named tensors and a structure ------------------------------------
 
 def _split(obj: Any, path: tuple[Hashable, ...], tensors: dict[str, torch.Tensor],
-           where: list[tuple[tuple[Hashable, ...], str]]) -> Any:
+           where: list[tuple[tuple[Hashable, ...], str]],
+           sharded: dict[str, tuple[list[int], list[int]]] | None = None) -> Any:
     """``obj`` without its tensors (None in their place); each tensor goes into ``tensors``
-    under a name made of its path, and (path, name) into ``where``."""
+    under a name made of its path, and (path, name) into ``where``. A DTensor (a parameter of
+    a model sharded with FSDP2, its optimizer state) goes in as this rank's local shard, its
+    global shape and stride into ``sharded`` under its name (:func:`_rewrap` makes it a
+    DTensor again)."""
     if isinstance(obj, torch.Tensor):
         name = ".".join(map(str, path))
         while name in tensors:  # two paths that read alike (key 0 and key "0")
             name += "_"
+        if is_dtensor(obj):
+            if sharded is None:
+                raise ValueError(f"state {name!r} is a DTensor: save it with its model's "
+                                 "shards (save_dcp)")
+            sharded[name] = (list(obj.shape), list(obj.stride()))
+            obj = obj.to_local()
         tensors[name] = obj.detach()
         where.append((path, name))
         return None
     if isinstance(obj, dict):
-        return {k: _split(v, (*path, k), tensors, where) for k, v in obj.items()}
+        return {k: _split(v, (*path, k), tensors, where, sharded) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_split(v, (*path, i), tensors, where) for i, v in enumerate(obj))
+        return type(obj)(_split(v, (*path, i), tensors, where, sharded)
+                         for i, v in enumerate(obj))
     return obj
+
+
+def _rewrap(local: torch.Tensor, shape: list[int], stride: list[int],
+            model: nn.Module) -> torch.Tensor:
+    """The DTensor whose local shard on this rank is ``local``, sharded as ``model``'s
+    parameters are (one mesh, dimension 0: :class:`gossamer.sharding.LocalShards` holds every
+    sharded model to that)."""
+    from torch.distributed.tensor import DTensor
+
+    like = next(p for p in model.parameters() if is_dtensor(p))
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
 
 
 def _join(obj: Any, path: tuple[Hashable, ...], found: dict[tuple[Hashable, ...], Any]) -> Any:
@@ -112,7 +142,9 @@ def _encode(obj: Any) -> torch.Tensor:
 def _averaged(comm: Communicator, model: nn.Module) -> dict[str, torch.Tensor]:
     """Collective: the model's state dict with every floating-point entry the exact mean over
     workers (summed in float64, as evaluation does) and the others rank 0's."""
-    state = model.state_dict()
+    # a sharded model's whole tensors: an all-gather over each replica's ranks; the mean over
+    # every rank is then the mean over the replicas (each counted once per shard)
+    state = {n: t.full_tensor() if is_dtensor(t) else t for n, t in model.state_dict().items()}
     floats = [n for n, t in state.items() if torch.is_floating_point(t)]
     others = [n for n, t in state.items() if not torch.is_floating_point(t)]
     out = {}
@@ -146,8 +178,10 @@ def save_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
            "extra": extra or {}}
     tensors: dict[str, torch.Tensor] = {}
     where: list[tuple[tuple[Hashable, ...], str]] = []
-    structure = _split(own, (), tensors, where)
-    tensors["structure"] = _encode({"structure": structure, "where": where})
+    sharded: dict[str, tuple[list[int], list[int]]] = {}
+    structure = _split(own, (), tensors, where, sharded)
+    tensors["structure"] = _encode({"structure": structure, "where": where,
+                                    "sharded": sharded})
     state = {
         "model": _averaged(comm, model),
         "step": torch.tensor(step, dtype=torch.int64),
@@ -200,7 +234,9 @@ def load_dcp(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimize
     encoded = state.pop(prefix + "structure")
     saved_state = ckpt.safe_loads(encoded.numpy().tobytes(),
                                   f"checkpoint {path}: rank {comm.rank}'s state")
-    found = {tuple(p): state[prefix + name] for p, name in saved_state["where"]}
+    sharded = saved_state.get("sharded", {})
+    found = {tuple(p): _rewrap(state[prefix + name], *sharded[name], model) if name in sharded
+             else state[prefix + name] for p, name in saved_state["where"]}
     own = _join(saved_state["structure"], (), found)
     model.load_state_dict(own["model"])
     optimizer.load_state_dict(own["optimizer"])

@@ -29,6 +29,7 @@ from gossamer.comm.faults import FaultInjector
 from gossamer.comm.membership import REJOIN_EVERY, Membership
 from gossamer.metrics import consensus_distance
 from gossamer.optim import muon
+from gossamer.sharding import ShardLayout, is_dtensor, shard_model
 from gossamer.train import checkpoint as ckpt
 from gossamer.train import dcp
 from gossamer.train.accounting import Accounting
@@ -75,7 +76,8 @@ def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimiz
 
 def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
                  algorithm: Algorithm | None = None,
-                 membership: Membership | None = None) -> dict[str, Any]:
+                 membership: Membership | None = None,
+                 layout: ShardLayout | None = None) -> dict[str, Any]:
     """Train this worker's replica; rank 0's result carries the run's metrics.
 
     ``algorithm``: ``config.algorithm`` resolved for the world size (default: resolved here);
@@ -83,8 +85,10 @@ def train_worker(comm: Communicator, config: TrainConfig, dataset: Dataset,
     ``membership``: under ``on_failure="continue"``, who trains (default: made here over
     ``comm``); after a failure the survivors agree on the members and go on, and
     ``membership.comm`` is the communicator over them (its caller closes it).
+    ``layout``: a sharded run's (``config.shards`` > 1), whose ``world`` is ``comm``: the model
+    is sharded with FSDP2 over ``layout.shard_mesh`` and the method runs over ``layout.comm``.
     """
-    return Trainer(comm, config, dataset, algorithm, membership).run()
+    return Trainer(comm, config, dataset, algorithm, membership, layout).run()
 
 
 class Trainer:
@@ -101,13 +105,21 @@ class Trainer:
     ``metrics`` and ``progress``, rank 0's records and progress bar; ``window_loss`` and
     ``window_count``, the training losses since the last evaluation; ``last``, the last
     evaluation's record; ``drift``, the consensus distance before :meth:`finish`.
+
+    Sharded (``layout`` given, ``config.shards`` > 1): ``comm`` is every rank (R x S), over
+    which the data are split, the run is checked, measured and checkpointed; the model is
+    sharded with FSDP2 over the rank's replica (:func:`~gossamer.sharding.shard_model`), and
+    the method runs, and ``accounting`` counts, over ``layout.comm``, the replica dimension.
     """
 
     def __init__(self, comm: Communicator, config: TrainConfig, dataset: Dataset,
                  algorithm: Algorithm | None = None,
-                 membership: Membership | None = None) -> None:
+                 membership: Membership | None = None,
+                 layout: ShardLayout | None = None) -> None:
         self.comm, self.config, self.dataset = comm, config, dataset
-        self.accounting = Accounting(comm)
+        self.layout = layout
+        method_comm = layout.comm if layout is not None else comm
+        self.accounting = Accounting(method_comm)
         rejoining = membership is not None and membership.joined_at is not None
         # the worker's id and the world at the start: its shard, whatever the membership
         self.me, self.size = ((membership.me, membership.size) if rejoining
@@ -115,14 +127,17 @@ class Trainer:
         if not rejoining:  # (a restarted worker receives the state of a member instead)
             # Every worker must train the same thing: a mismatch stops them all here, before
             # the algorithm's first collective. Its traffic and time are not the algorithm's.
-            self.accounting.excluding(check_agreement, comm,
-                                      describe_run(config, comm.world_size, dataset))
+            self.accounting.excluding(check_agreement, comm, describe_run(
+                config, comm.world_size if layout is None else layout.replicas, dataset))
         torch.manual_seed(config.seed)  # the same initial model on every worker
         # (NCCL: the communicator's CUDA device)
         self.device = comm.device if isinstance(comm, DeviceBound) else torch.device("cpu")
         self.model = build_model(resolve_model(config), dataset.input_shape,
                                  dataset.num_classes)
         self.model.to(self.device)
+        self.whole: nn.Module | None = None  # a sharded run's gathered replica, to measure
+        if layout is not None:
+            shard_model(self.model, layout.shard_mesh)
         self.shards = partition(dataset.y_train.numpy(), self.size, scheme=config.partition,
                                 alpha=config.dirichlet_alpha, seed=config.seed)
         self.sampler = ShardSampler(self.shards[self.me], config.batch_size,
@@ -132,7 +147,7 @@ class Trainer:
         self.membership = membership
         self.algorithm = algorithm if algorithm is not None else config.algorithm
         self.optimizer = distribute(self.model, make_optimizer(config, self.model),
-                                    self.algorithm, comm, nonfinite=config.nonfinite,
+                                    self.algorithm, method_comm, nonfinite=config.nonfinite,
                                     total_steps=config.steps,
                                     training_inputs=self.training_inputs,
                                     broadcast=not rejoining)
@@ -247,6 +262,10 @@ class Trainer:
         for micro in range(config.accumulation):
             batch = self.sampler.next_batch()
             final = micro == config.accumulation - 1
+            if self.layout is not None and config.accumulation > 1:
+                # FSDP2 keeps the whole gradients of the micro-batches and reduce-scatters
+                # their sum once, in the last backward
+                self.model.set_requires_gradient_sync(final)
             with contextlib.nullcontext() if final else optimizer.no_sync():
                 loss = loss_fn(self.model(self.dataset.x_train[batch].to(self.device)),
                                self.dataset.y_train[batch].to(self.device))
@@ -288,7 +307,9 @@ class Trainer:
             self.runtime.settle()
             # (a worker ahead waits for the last one here, not in the measure)
             self.accounting.catch_up()
-            self.drift = self.accounting.excluding(consensus_distance, self.optimizer)
+            self.drift = self.accounting.excluding(
+                consensus_distance, self.optimizer if self.layout is None
+                else self.gathered(), None if self.layout is None else self.comm)
         self.optimizer.finish()
 
     # ---- the end of a step: evaluation and checkpoint
@@ -329,15 +350,40 @@ class Trainer:
         self.runtime.before_eval()
         self.accounting.excluding(self.runtime.prepare_eval)  # (local SGD's BatchNorm)
         window = self.window_loss / self.window_count if self.window_count else math.nan
+        model, params = self.model, self.params
+        if self.layout is not None:  # each rank measures its replica's whole model
+            model = self.accounting.excluding(self.gathered)
+            params = list(model.parameters())
         self.last = self.accounting.excluding(
-            measure, self.comm, self.config, self.dataset, self.model, self.params,
+            measure, self.comm, self.config, self.dataset, model, params,
             self.runtime, window, self.accounting.counters(), done)
+        if self.layout is not None and self.last:  # one figure per replica, not per rank
+            shards = self.layout.shards
+            for key in ("worker_eval_loss", "worker_eval_accuracy"):
+                self.last[key] = self.last[key][::shards]
         self.window_loss, self.window_count = 0.0, 0
         if self.comm.rank == 0:
             if done == self.config.steps:
                 self.last["consensus_distance_before_finish"] = self.drift
             self.metrics.write(self.last)
         return self.last
+
+    def gathered(self) -> nn.Module:
+        """A sharded run's: this rank's replica as a plain model, its whole tensors gathered
+        from the replica's shards (an all-gather of each over the replica's ranks: every rank
+        calls it at the same point). Made once, refilled at each call."""
+        if self.whole is None:
+            # (its initial values are overwritten: the run's random state must not move, or
+            # a resumed run, which makes it at another step, would draw otherwise)
+            with torch.random.fork_rng(devices=[]):
+                self.whole = build_model(resolve_model(self.config), self.dataset.input_shape,
+                                         self.dataset.num_classes).to(self.device)
+        with torch.no_grad():
+            state = {name: t.full_tensor() if is_dtensor(t) else t
+                     for name, t in self.model.state_dict().items()}
+            self.whole.load_state_dict(state)
+        self.whole.train(self.model.training)
+        return self.whole
 
     def save(self, step: int) -> None:
         """Save the checkpoint of ``step`` (collective; the loop has paused the runtime), with
@@ -443,6 +489,8 @@ class Trainer:
             membership.close()  # a worker still waiting to rejoin need not wait any longer
         summary = {**self.last, "kind": "summary", "algorithm": config.algorithm.label,
                    "world_size": comm.world_size, "rank": comm.rank}
+        if self.layout is not None:
+            summary.update(replicas=self.layout.replicas, shards=self.layout.shards)
         if membership is not None:  # (step, members) of each change: the members at the start
             summary["membership"] = [{"step": 0, "members": list(range(self.size))},
                                      *membership.history]

@@ -5,6 +5,7 @@ this process of a launched job; resuming and elastic restarts.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -296,6 +297,23 @@ def _launched_rank() -> int:
     return launched_rank() or 0
 
 
+def _shard_layout(config: TrainConfig) -> Any:
+    """A sharded run's :class:`~gossamer.sharding.ShardLayout`: ``config.shards`` must divide
+    the launcher's world size (a ValueError naming ``--shards`` before any rendezvous)."""
+    from gossamer.comm.environment import launch_env_from
+    from gossamer.sharding import ShardLayout
+
+    world_size = launch_env_from(os.environ).world_size
+    if world_size % config.shards:
+        raise ValueError(
+            f"shards={config.shards} (--shards) must divide the world size, {world_size} "
+            f"process{'es' if world_size != 1 else ''}: launch replicas x shards of them "
+            "(gossamer launch --nproc R*S)")
+    importlib.import_module("torch.distributed.fsdp")  # seconds: before the rendezvous
+    return ShardLayout.from_env(shards=config.shards, timeout=config.timeout,
+                                bind_all=config.bind_all)
+
+
 def run_training(config: TrainConfig) -> dict[str, Any]:
     """Run ``config`` in the simulator (``sim > 0``) or in this process of a launched job.
 
@@ -343,8 +361,11 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
     else:
         from gossamer.comm.torch_comm import TorchCommunicator
 
-        membership = None
-        if os.environ.get(REJOIN_VARIABLE) == "1":  # restarted: the others went on
+        membership, layout = None, None
+        if config.shards > 1:  # R x S: the method over the replicas, FSDP2 inside each
+            layout = _shard_layout(config)
+            comm = layout.world
+        elif os.environ.get(REJOIN_VARIABLE) == "1":  # restarted: the others went on
             membership = _rejoin(config)
             if membership is None:
                 return {"kind": "summary", "rank": -1, "mode": "torch.distributed"}
@@ -359,7 +380,8 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                       f"{ckpt.checkpoint_candidates(config.run_dir)[0].name}", file=sys.stderr)
             # (a rejoining worker takes the members' settings, adapted as theirs were)
             algorithm = (config.algorithm.resolve if membership_start(membership)
-                         else config.algorithm.for_members)(comm.world_size)
+                         else config.algorithm.for_members)(
+                comm.world_size if layout is None else layout.replicas)
             check_shards(config, dataset, comm.world_size)
             if config.run_dir and not config.resume and membership_start(membership):
                 if comm.rank == 0:
@@ -370,11 +392,14 @@ def run_training(config: TrainConfig) -> dict[str, Any]:
                 # before the communicator's rendezvous, so none reads this one
                 _write_config(config, comm.world_size)
             result = train_worker(comm, config, dataset, algorithm=algorithm,
-                                  membership=membership)
+                                  membership=membership, layout=layout)
         finally:
             if membership is not None:
                 membership.comm.close()  # the communicator over the last members
-            comm.close()
+            if layout is not None:
+                layout.close()  # the replica dimension's communicator, then comm's
+            else:
+                comm.close()
         result["mode"] = "torch.distributed"
     if config.run_dir and result.get("rank") == 0:
         from gossamer.train.report import load_metrics, plot_runs
