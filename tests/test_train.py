@@ -362,14 +362,16 @@ def test_compare_default_set_learns_the_default_task():
 
     chosen = default_algorithms().split(",")
     left_out = sorted(set(available()) - set(chosen))
-    assert left_out == ["demo", "gossipgrad", "randomk"] and all(lookup(name).needs
-                                                                 for name in left_out)
+    assert left_out == ["demo", "gossipgrad", "muloco", "randomk"] and all(
+        lookup(name).needs for name in left_out)
     accuracy = {name: default_run(name)["eval_accuracy"] for name in chosen}
     for name in chosen:
         assert accuracy[name] >= accuracy["allreduce"] - 0.02, (name, accuracy)
     needs = run_training(TrainConfig(sim=4, algorithm="randomk", quiet=True,
                                      options={"ratio": "0.1", "error_feedback": "false"}))
     assert needs["eval_accuracy"] >= 0.9  # what its note says it needs does learn
+    muloco = run_training(TrainConfig(sim=4, algorithm="muloco", optimizer="muon", quiet=True))
+    assert muloco["eval_accuracy"] >= accuracy["allreduce"] - 0.02  # with Muon, as it needs
     # GossipGraD learns digits either way; its note is about the MNIST CNN (BENCHMARKS.md)
     synced = run_training(TrainConfig(sim=4, algorithm="gossipgrad", quiet=True,
                                       options={"allreduce_every": "10"}))

@@ -123,6 +123,13 @@ class Algorithm(ABC):
         so."""
         return "not proven on local shards yet (tests/test_sharding.py does not run it)"
 
+    def optimizer_refusal(self, optimizer: str, momentum: float) -> str | None:
+        """Why this method cannot run with the command line's inner optimizer (``optimizer``:
+        ``sgd``, ``adamw`` or ``muon``; ``momentum``: SGD's), or None where it can: the
+        training configuration refuses the run before it starts (a method bound to a
+        Python optimizer checks it at run time)."""
+        return None
+
     def failure_refusal(self) -> str | None:
         """Why this configuration, of a method that goes on without a failed worker
         (:attr:`continues_after_failure`), does not (an option that forbids it, named), or

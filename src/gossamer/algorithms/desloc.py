@@ -141,6 +141,12 @@ class DESLOC(Algorithm):
     def symmetric(self) -> bool:
         return True  # the same all-reduces on every worker
 
+    def optimizer_refusal(self, optimizer: str, momentum: float) -> str | None:
+        if optimizer == "sgd" and momentum == 0:
+            return ("desloc averages the optimizer's moments, and SGD without momentum keeps "
+                    "none: use --optimizer adamw, or --momentum above 0")
+        return None
+
     def sharding_refusal(self) -> str | None:
         return ("desloc averages the optimizer's moments, which on a sharded model are "
                 "DTensors that its average does not take apart yet")

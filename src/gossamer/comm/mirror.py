@@ -475,10 +475,10 @@ class _PartnerHandle(SimHandle):
     def ready(self) -> bool:
         if self._result is not None:
             return True
-        w = self._view._worker
+        w = self._view.sim_worker
         if not self._slots:  # sends only: this worker's own NIC, the same on every worker
             return self._sends_done <= w.clock
-        self._view._world.burst = None  # a look at the receives ends the burst
+        self._view.sim_world.burst = None  # a look at the receives ends the burst
         if any(s.tensor is None for s in self._slots):
             # a message not sent yet: its copies are not sent yet on any worker either (every
             # message of a round leaves before a receive is looked at)
@@ -493,5 +493,5 @@ class _PartnerHandle(SimHandle):
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self._slots and self._result is None:
-            self._view._world.burst = None
+            self._view.sim_world.burst = None
         return super().wait()

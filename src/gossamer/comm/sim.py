@@ -824,6 +824,16 @@ class SimComm(CommunicatorBase, IdleTime, VirtualClock, FaultInjection, Membersh
     def global_rank(self) -> int:
         return self._worker.rank
 
+    @property
+    def sim_worker(self) -> Any:
+        """The simulated worker this view belongs to (its virtual clock, its rank)."""
+        return self._worker
+
+    @property
+    def sim_world(self) -> Any:
+        """The simulated world this view runs in."""
+        return self._world
+
     def _to_local(self, global_rank: int) -> int:
         return self._index[global_rank]
 

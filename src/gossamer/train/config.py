@@ -193,6 +193,10 @@ class TrainConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and (self.optimizer != "sgd" or self.momentum == 0):
             raise ValueError("nesterov needs optimizer 'sgd' with momentum > 0")
+        refusal = self.algorithm.optimizer_refusal(self.optimizer, self.momentum)
+        if refusal is not None:
+            raise ValueError(f"optimizer (--optimizer {self.optimizer}, --momentum "
+                             f"{self.momentum:g}): {refusal}")
         object.__setattr__(self, "milestones", tuple(int(m) for m in self.milestones))
         if any(m < 1 for m in self.milestones) or list(self.milestones) != sorted(self.milestones):
             raise ValueError(f"milestones must be increasing steps >= 1, got {self.milestones}")
