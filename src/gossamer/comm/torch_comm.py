@@ -324,6 +324,34 @@ class _Exchange:
         return all(not torch.equal(_tail(self._recvs[peer]), sentinel)
                    for peer, sentinel in self._sentinels.items())
 
+    def _watch_arrivals(self, deadline: float) -> None:
+        """On gloo, while the receives' sentinels say a message has not arrived, read the
+        peers' heartbeats every ``liveness.heartbeat`` seconds: a dead peer ends the wait
+        (a CommError) in seconds rather than at the timeout. A gloo receive cannot be waited
+        for in slices (a timed-out wait closes its pair) nor asked whether it completed, so
+        the arrivals are seen in the buffers, polled every millisecond or so."""
+        comm = self._comm
+        if comm.backend != "gloo" or comm._heartbeat is None or not self._sentinels \
+                or len(self._sentinels) < len(self._recvs):
+            return
+        seen: dict[int, tuple[object, float]] = {}
+        started = time.perf_counter()
+        checked, pause = started, 1e-4
+        while not _arrived(self._recvs, self._sentinels):
+            now = time.perf_counter()
+            if now >= deadline:
+                return  # the waits below report the timeout
+            if now - checked >= comm.liveness.heartbeat:
+                checked = now
+                try:
+                    comm.check_peers(self._peers, seen)
+                except RuntimeError as exc:
+                    raise comm._failure(self._label, self._peers, exc, deadline,
+                                        collective=False) from exc
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
+        comm._idle += time.perf_counter() - started
+
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is not None:
             return self._result
@@ -331,6 +359,7 @@ class _Exchange:
             raise self._error
         deadline = time.perf_counter() + self._comm.timeout
         try:
+            self._watch_arrivals(deadline)
             for work in self._works:
                 self._comm._wait(work, self._label, self._peers, deadline, collective=False)
         except CommError as exc:
@@ -341,6 +370,11 @@ class _Exchange:
         self._result = dict(self._recvs)
         self._works, self._sends = [], []
         return self._result
+
+
+def _arrived(recvs: dict[int, torch.Tensor], sentinels: dict[int, torch.Tensor]) -> bool:
+    return all(not torch.equal(_tail(recvs[peer]), sentinel)
+               for peer, sentinel in sentinels.items())
 
 
 class _Collective:
@@ -871,11 +905,9 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         timeout (300 s on gloo) before the survivors could regroup. A gloo collective goes on
         after a wait that timed out; the first slices cost nothing to a collective that
         completes within them. Not for point-to-point operations: a gloo receive whose wait
-        times out closes its pair ("Application timeout caused pair closure"); their peers'
-        deaths show as closed connections, and a survivor that fails closes its group, which
-        its own peers then see."""
-        live, hb = self.liveness, self._heartbeat
-        assert hb is not None
+        times out closes its pair ("Application timeout caused pair closure"); an exchange
+        watches its receive buffers instead (``_Exchange._watch_arrivals``)."""
+        live = self.liveness
         seen: dict[int, tuple[object, float]] = {}  # peer -> (its last beat, when it changed)
         while True:
             now = time.perf_counter()
@@ -886,31 +918,40 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower():
                     raise
-            now = time.perf_counter()
-            if not hb.store_alive():
-                raise RuntimeError("the heartbeat store's host closed the connection while "
-                                   "this rank waited")
-            try:
-                for p in peers:
-                    global_rank = self._global_ranks[p]
-                    if hb.left(global_rank) is not None:
-                        raise RuntimeError(f"rank {p} left after a failure of its own while "
-                                           "this rank waited")
-                    beat = hb.read(global_rank)
-                    if beat is None:
-                        continue  # not beating yet: starting, or dead before its first beat
-                    if p not in seen or seen[p][0] != beat[0]:
-                        seen[p] = (beat[0], now)
-                    elif now - seen[p][1] >= live.dead_after \
-                            and time.time() - beat[2] >= live.dead_after:
-                        raise RuntimeError(
-                            f"rank {p} sent no heartbeat for {now - seen[p][1]:.1f} s while "
-                            "this rank waited")
-            except RuntimeError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a store that fails ends the wait
-                raise RuntimeError(f"the heartbeat store failed while this rank waited: "
-                                   f"{_first_line(exc)}") from exc
+            self.check_peers(peers, seen)
+
+    def check_peers(self, peers: list[int], seen: dict[int, tuple[object, float]]) -> None:
+        """RuntimeError if one of ``peers`` stopped beating (none for
+        ``liveness.dead_after`` seconds, as seen over the calls that share ``seen``, and by
+        its last beat's time) or left after a failure of its own, or if the heartbeat store
+        failed; a peer that never beat is left to the connection and the timeout."""
+        live, hb = self.liveness, self._heartbeat
+        assert hb is not None
+        now = time.perf_counter()
+        if not hb.store_alive():
+            raise RuntimeError("the heartbeat store's host closed the connection while "
+                               "this rank waited")
+        try:
+            for p in peers:
+                global_rank = self._global_ranks[p]
+                if hb.left(global_rank) is not None:
+                    raise RuntimeError(f"rank {p} left after a failure of its own while "
+                                       "this rank waited")
+                beat = hb.read(global_rank)
+                if beat is None:
+                    continue  # not beating yet: starting, or dead before its first beat
+                if p not in seen or seen[p][0] != beat[0]:
+                    seen[p] = (beat[0], now)
+                elif now - seen[p][1] >= live.dead_after \
+                        and time.time() - beat[2] >= live.dead_after:
+                    raise RuntimeError(
+                        f"rank {p} sent no heartbeat for {now - seen[p][1]:.1f} s while "
+                        "this rank waited")
+        except RuntimeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a store that fails ends the wait
+            raise RuntimeError(f"the heartbeat store failed while this rank waited: "
+                               f"{_first_line(exc)}") from exc
 
     def _failure(self, label: str, peers: list[int], exc: BaseException | None,
                  deadline: float, collective: bool = True, seq: int | None = None
