@@ -331,7 +331,7 @@ class _Exchange:
         for in slices (a timed-out wait closes its pair) nor asked whether it completed, so
         the arrivals are seen in the buffers, polled every millisecond or so."""
         comm = self._comm
-        if comm.backend != "gloo" or comm._heartbeat is None or not self._sentinels \
+        if comm.backend != "gloo" or not comm.watches_peers or not self._sentinels \
                 or len(self._sentinels) < len(self._recvs):
             return
         seen: dict[int, tuple[object, float]] = {}
@@ -346,11 +346,11 @@ class _Exchange:
                 try:
                     comm.check_peers(self._peers, seen)
                 except RuntimeError as exc:
-                    raise comm._failure(self._label, self._peers, exc, deadline,
-                                        collective=False) from exc
+                    raise self._comm._failure(self._label, self._peers, exc, deadline,
+                                              collective=False) from exc
             time.sleep(pause)
             pause = min(2 * pause, 2e-3)
-        comm._idle += time.perf_counter() - started
+        self._comm._idle += time.perf_counter() - started
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self._result is not None:
@@ -919,6 +919,11 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
                 if "timed out" not in str(exc).lower():
                     raise
             self.check_peers(peers, seen)
+
+    @property
+    def watches_peers(self) -> bool:
+        """Whether this communicator has the heartbeats that :meth:`check_peers` reads."""
+        return self._heartbeat is not None
 
     def check_peers(self, peers: list[int], seen: dict[int, tuple[object, float]]) -> None:
         """RuntimeError if one of ``peers`` stopped beating (none for
