@@ -157,6 +157,9 @@ class Membership:
             raise ValueError(f"comm: a membership needs a communicator that can change its "
                              f"members (MembershipChange); {type(comm).__name__} cannot")
         self.comm = comm
+        if isinstance(comm, ProcessGroupBacked):
+            # the survivors go on: a wait behind a dead peer ends once its heartbeat stops
+            comm.watch_peers = True  # type: ignore[attr-defined]
         self.members: tuple[int, ...] = tuple(range(comm.world_size))  # ids, in rank order
         self.me = comm.rank
         self.epoch = 0

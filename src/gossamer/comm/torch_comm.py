@@ -466,6 +466,8 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         if store_addr is None and isinstance(store, dist.TCPStore):
             store_addr = (store.host, store.port)
         self._heartbeat: _Heartbeat | None = None
+        #: whether waits watch the peers' heartbeats (see :attr:`watches_peers`)
+        self.watch_peers = False
         #: how a dead peer is told from a slow one (default: Liveness.from_env())
         self.liveness = liveness if liveness is not None else Liveness.from_env()
         _OPEN.add(self)
@@ -592,8 +594,10 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
         if not isinstance(store, dist.TCPStore) or not self._owns_group:
             raise ValueError("regroup needs a communicator made by from_env (its TCPStore)")
         self.close()
-        return TorchCommunicator.from_store(store, rank, len(members), name,
-                                            backend=self._backend, timeout=self._timeout)
+        new = TorchCommunicator.from_store(store, rank, len(members), name,
+                                           backend=self._backend, timeout=self._timeout)
+        new.watch_peers = self.watch_peers
+        return new
 
     @classmethod
     def from_store(cls, store: dist.TCPStore, rank: int, world_size: int, name: str, *,
@@ -882,7 +886,7 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
               collective: bool = True, seq: int | None = None) -> None:
         started = time.perf_counter()
         try:
-            if collective and self._backend == "gloo" and self._heartbeat is not None \
+            if collective and self._backend == "gloo" and self.watches_peers \
                     and peers:
                 done = self._wait_watching(work, peers, deadline)
             else:
@@ -922,8 +926,12 @@ class TorchCommunicator(CommunicatorBase, AsyncCollectives, IdleTime, DeviceBoun
 
     @property
     def watches_peers(self) -> bool:
-        """Whether this communicator has the heartbeats that :meth:`check_peers` reads."""
-        return self._heartbeat is not None
+        """Whether a wait reads the peers' heartbeats as it goes (:meth:`check_peers`): on
+        when :attr:`watch_peers` is set (a run that goes on without failed workers sets it,
+        see :class:`gossamer.comm.membership.Membership`) and there are heartbeats. Off
+        otherwise: a peer whose heartbeat stalls for a few seconds on a loaded machine is
+        not taken for dead where nothing would go on without it."""
+        return self.watch_peers and self._heartbeat is not None
 
     def check_peers(self, peers: list[int], seen: dict[int, tuple[object, float]]) -> None:
         """RuntimeError if one of ``peers`` stopped beating (none for
